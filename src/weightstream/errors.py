@@ -1,0 +1,17 @@
+"""Errors a user can cause. Each message says what to change."""
+
+
+class WeightstreamError(RuntimeError):
+    """Base class for weightstream's runtime errors."""
+
+
+class BudgetError(ValueError):
+    """The GPU memory budget cannot hold what must stay on the GPU."""
+
+
+class OffloadStateError(WeightstreamError):
+    """The model is in a state offloading does not support (training, meta tensors, already offloaded...)."""
+
+
+class PinnedMemoryError(WeightstreamError):
+    """Page-locking host memory failed (container memlock limit, WSL...)."""

@@ -1,0 +1,407 @@
+"""`offload(model, gpu_memory=...)`: the in-place transform that makes a model stream its weights.
+
+It finds the repeated blocks, keeps what fits resident on the device, moves the rest into one exact-size
+pinned host arena, turns every streamed tensor into a permanent view of a static GPU slot, and hooks
+the two schedule ops around each streamed block. The model stays an ordinary `nn.Module`.
+"""
+
+from __future__ import annotations
+
+import types
+import warnings
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from . import ops
+from .blocks import find_blocks
+from .errors import OffloadStateError, WeightstreamError
+from .host import HostArena
+from .layout import Slice, pack
+from .plan import Placement, plan_placement
+from .schedule import Schedule
+from .sizes import format_size, parse_size
+from .transfer import CudaTransfer, SyncTransfer
+
+_HANDLE_ATTR = "_weightstream_handle"
+
+
+@dataclass(frozen=True)
+class TensorSite:
+    """Where a tensor lives in the model: `module.<name>` is a parameter or a buffer."""
+
+    module: nn.Module
+    name: str
+    is_param: bool
+
+
+@dataclass
+class Entry:
+    """One distinct tensor (tied copies share one entry) and every site that refers to it."""
+
+    tensor: torch.Tensor
+    sites: list[TensorSite]
+    owner: int | None  # block index when only that block refers to it, else None (stays resident)
+
+    def __post_init__(self) -> None:
+        self.shape = tuple(self.tensor.shape)
+        self.dtype = self.tensor.dtype
+        self.nbytes = self.tensor.numel() * self.tensor.element_size()
+
+    def view_of(self, raw: torch.Tensor) -> torch.Tensor:
+        """View `raw` (uint8 bytes of exactly this tensor) as this tensor's dtype and shape."""
+        return raw.view(self.dtype).view(self.shape)
+
+
+@dataclass(frozen=True)
+class OffloadStats:
+    """What an offload placed where. Sizes in bytes; copies and fetches count since offload."""
+
+    device: str
+    resident_bytes: int
+    streamed_bytes: int
+    staging_bytes: int
+    pinned_bytes: int
+    groups: int
+    slots: int
+    copies: int
+    fetches: int
+
+    def __str__(self) -> str:
+        return (
+            f"device {self.device}: resident {format_size(self.resident_bytes)}, "
+            f"streamed {format_size(self.streamed_bytes)} in {self.groups} groups, "
+            f"staging {format_size(self.staging_bytes)} in {self.slots} slots, "
+            f"pinned {format_size(self.pinned_bytes)}; {self.copies} async copies, {self.fetches} sync fetches"
+        )
+
+
+def _collect(model: nn.Module, blocks: list[nn.Module]) -> list[Entry]:
+    """Every distinct parameter and buffer of the model, with its sites and owning block."""
+    block_of: dict[int, int] = {}
+    for i, block in enumerate(blocks):
+        for module in block.modules():
+            block_of[id(module)] = i
+    entries: dict[int, Entry] = {}
+    for module in model.modules():
+        owner = block_of.get(id(module))
+        persistent = {n for n in module._buffers if n not in module._non_persistent_buffers_set}
+        tensors = [(n, t, True) for n, t in module._parameters.items()]
+        tensors += [(n, t, False) for n, t in module._buffers.items()]
+        for name, tensor, is_param in tensors:
+            if tensor is None:
+                continue
+            site = TensorSite(module, name, is_param)
+            entry = entries.get(id(tensor))
+            if entry is None:
+                streamable = owner is not None and (is_param or name in persistent)
+                entries[id(tensor)] = Entry(tensor, [site], owner if streamable else None)
+            else:
+                entry.sites.append(site)
+                if entry.owner != owner:
+                    entry.owner = None  # shared across blocks or with the rest: stays resident
+    return list(entries.values())
+
+
+def _check_model(model: nn.Module, entries: list[Entry]) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"offload() takes an nn.Module, got {type(model).__name__}")
+    if any(getattr(m, _HANDLE_ATTR, None) is not None for m in model.modules()):
+        raise OffloadStateError(
+            "this model (or a submodule) is already offloaded: call handle.restore() before offloading again"
+        )
+    if model.training:
+        raise OffloadStateError("weightstream is for inference: call model.eval() before offload()")
+    for entry in entries:
+        site = entry.sites[0]
+        if entry.tensor.is_meta:
+            raise OffloadStateError(
+                f"{type(site.module).__name__}.{site.name} is on the meta device: load the weights first "
+                "(e.g. from_pretrained, or model.to_empty() and a state dict)"
+            )
+        if entry.tensor.requires_grad:
+            raise OffloadStateError(
+                "weightstream is for inference and the model's parameters require gradients: call "
+                "model.requires_grad_(False) before offload()"
+            )
+
+
+def _resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise WeightstreamError(f"device={device} asked for, but CUDA is not available here: use device='cpu'")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    elif device.type != "cpu":
+        raise WeightstreamError(f"device={device}: weightstream supports 'cuda' and 'cpu'")
+    return device
+
+
+def _find_hidden(value):
+    """Return a function that replaces the first tensor in `value` (a tensor, a sequence or a mapping),
+    and that tensor; (None, None) when there is none."""
+    if isinstance(value, torch.Tensor):
+        return (lambda new: new), value
+    if isinstance(value, (tuple, list)):
+        for i, item in enumerate(value):
+            if isinstance(item, torch.Tensor):
+                return (lambda new, i=i: type(value)((*value[:i], new, *value[i + 1 :]))), item
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if isinstance(item, torch.Tensor):
+
+                def put(new, key=key):
+                    value[key] = new
+                    return value
+
+                return put, item
+    return None, None
+
+
+class OffloadHandle:
+    """The state of one offloaded model. Get it from `offload()`; `restore()` undoes the offload.
+
+    Attributes: `model`, `device`, `placement` (the `Placement`), `streamed_blocks` (names).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        device: torch.device,
+        placement: Placement,
+        block_names: list[str],
+        entries: list[Entry],
+        groups: list[list[tuple[Entry, Slice]]],
+        arena: HostArena,
+        slots: list[torch.Tensor],
+    ) -> None:
+        self.model = model
+        self.device = device
+        self.placement = placement
+        self.streamed_blocks = [block_names[i] for i in placement.streamed]
+        self._entries = entries
+        self._groups = groups
+        self._arena = arena
+        self._slots = slots
+        self._schedule = Schedule(len(groups), placement.n_slots)
+        cuda = device.type == "cuda"
+        self._transfer = CudaTransfer(arena, slots, device) if cuda else SyncTransfer(arena, slots)
+        self._warned = False
+        self._streamed_modules: list[nn.Module] = []
+        self._patched: list[nn.Module] = []
+        self.engine_id = ops.register(self)
+        self.restored = False
+
+    # --- the schedule, called from the custom ops -------------------------------------------------
+    def wait(self, group: int) -> None:
+        """Make group `group`'s weights ready in its slot before its block computes."""
+        plan = self._schedule.on_wait(group)
+        for slot in plan.prologue:
+            self._transfer.start_copy(slot, slot)
+        if plan.hit:
+            self._transfer.wait(plan.slot)
+            return
+        if not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"weightstream: block {self.streamed_blocks[group]} ran out of the planned order; its "
+                "weights were fetched synchronously (correct, but slower). Warned once per model.",
+                stacklevel=2,
+            )
+        self._transfer.fetch_now(plan.slot, group)
+
+    def release(self, group: int) -> None:
+        """After group `group` computed: start the copy of the next group that uses its slot."""
+        nxt = self._schedule.on_release(group)
+        if nxt is not None:
+            self._transfer.start_copy(self._schedule.slot(group), nxt)
+        if self._schedule.is_last(group):
+            self._transfer.join()
+
+    # --- user-facing -----------------------------------------------------------------------------
+    @property
+    def stats(self) -> OffloadStats:
+        """Bytes resident, streamed, staged and pinned; groups, slots and copy counts."""
+        p = self.placement
+        return OffloadStats(
+            device=str(self.device),
+            resident_bytes=p.resident_bytes,
+            streamed_bytes=sum(e.nbytes for g in self._groups for e, _ in g),
+            staging_bytes=p.staging_bytes,
+            pinned_bytes=self._arena.pinned_bytes,
+            groups=len(self._groups),
+            slots=p.n_slots,
+            copies=self._schedule.copies,
+            fetches=self._schedule.fetches,
+        )
+
+    def restore(self, device: str | torch.device | None = None) -> nn.Module:
+        """Put every weight back as a plain tensor on `device` (default: the offload device), remove the
+        hooks and ops, and free the slots and the host arena. Returns the model."""
+        if self.restored:
+            raise OffloadStateError("this handle was already restored")
+        target = self.device if device is None else _resolve_device(device)
+        self._transfer.synchronize()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        for block in self._streamed_modules:
+            block.__class__ = type(block).__mro__[1]
+            del block._ws_engine_id, block._ws_group
+        for module in self._patched:
+            del module._apply
+        object.__delattr__(self.model, _HANDLE_ATTR)
+        for g, group in enumerate(self._groups):
+            region = self._arena.region(g)
+            for entry, sl in group:
+                raw = region[sl.offset : sl.offset + sl.nbytes]
+                value = entry.view_of(raw).to(target, copy=True)
+                _set_tensor(entry, value)
+        streamed = {id(e) for g in self._groups for e, _ in g}
+        for entry in self._entries:
+            if id(entry) not in streamed and entry.tensor.device != target:
+                _set_tensor(entry, entry.tensor.to(target))
+        self._slots.clear()
+        self._arena.close()
+        ops.unregister(self.engine_id)
+        self.restored = True
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return self.model
+
+    def __repr__(self) -> str:
+        return f"OffloadHandle({self.stats})"
+
+
+def _set_tensor(entry: Entry, value: torch.Tensor) -> None:
+    """Point every site of `entry` at `value` (parameters keep their identity)."""
+    if isinstance(entry.tensor, nn.Parameter):
+        entry.tensor.data = value
+        return
+    for site in entry.sites:
+        site.module._buffers[site.name] = value
+    entry.tensor = value
+
+
+def _blocked_apply(self, fn, *args, **kwargs):
+    raise OffloadStateError(
+        f"{type(self).__name__} is offloaded by weightstream: .to()/.cuda()/.half() would break the "
+        "streaming views. Call handle.restore() first, then move or cast the model."
+    )
+
+
+_STREAMED_CLASSES: dict[type, type] = {}
+
+
+def _streamed_forward(self, *args, **kwargs):
+    """Forward of a streamed block: wait for its group, compute, release the slot."""
+    base = type(self).__mro__[1]
+    engine_id, group = self._ws_engine_id, self._ws_group
+    replace, hidden = _find_hidden(args)
+    if hidden is not None:
+        args = replace(ops.wait(hidden, engine_id, group))
+    else:
+        replace, hidden = _find_hidden(kwargs)
+        if hidden is None:
+            raise WeightstreamError(
+                f"{base.__name__} was called with no tensor argument: weightstream orders its copies "
+                "through the block's input hidden state"
+            )
+        kwargs = replace(ops.wait(hidden, engine_id, group))
+    output = base.forward(self, *args, **kwargs)
+    replace, hidden = _find_hidden(output)
+    if hidden is None:
+        raise WeightstreamError(
+            f"{base.__name__} returned no tensor: weightstream orders its copies through the block's "
+            "output hidden state"
+        )
+    return replace(ops.release(hidden, engine_id, group))
+
+
+def _streamed_class(base: type) -> type:
+    """A subclass of `base` whose forward runs the schedule ops around the original forward.
+
+    A new class rather than hooks: torch.compile guards on a submodule's type but not on its hooks,
+    so a graph compiled for the resident model would otherwise be reused for the offloaded one.
+    """
+    if base not in _STREAMED_CLASSES:
+        _STREAMED_CLASSES[base] = type(f"Streamed{base.__name__}", (base,), {"forward": _streamed_forward})
+    return _STREAMED_CLASSES[base]
+
+
+def _install_schedule(handle: OffloadHandle, blocks: list[nn.Module]) -> None:
+    for group, index in enumerate(handle.placement.streamed):
+        block = blocks[index]
+        block._ws_engine_id, block._ws_group = handle.engine_id, group
+        block.__class__ = _streamed_class(type(block))
+        handle._streamed_modules.append(block)
+
+
+def offload(
+    model: nn.Module,
+    gpu_memory: int | str,
+    *,
+    device: str | torch.device | None = None,
+    pin_memory: bool = True,
+    blocks: list[str] | None = None,
+) -> OffloadHandle:
+    """Offload `model` in place so its weights take at most `gpu_memory` on `device`; return the handle.
+
+    gpu_memory: bytes (int) or a string like "6GiB" / "500MB": resident weights plus staging slots.
+        Activations and KV caches are not counted.
+    device: "cuda" (default when available) or "cpu" (the synchronous backend: same schedule, no
+        streams; used for testing and CPU-only machines).
+    pin_memory: page-lock the host arena (fast async copies, CUDA graphs). False streams from
+        pageable memory: about 9x slower, no CUDA graph capture.
+    blocks: qualified names of the block lists to stream (e.g. ["model.layers"]); found automatically
+        by default.
+    """
+    budget = parse_size(gpu_memory)
+    device = _resolve_device(device)
+    found = find_blocks(model, blocks) if isinstance(model, nn.Module) else []
+    block_modules = [b.module for b in found]
+    entries = _collect(model, block_modules) if isinstance(model, nn.Module) else []
+    _check_model(model, entries)
+
+    per_block: list[list[Entry]] = [[] for _ in found]
+    for entry in entries:
+        if entry.owner is not None:
+            per_block[entry.owner].append(entry)
+    layouts = [pack([e.nbytes for e in group]) for group in per_block]
+    fixed = sum(e.nbytes for e in entries if e.owner is None)
+    placement = plan_placement(fixed, [size for _, size in layouts], budget)
+
+    groups = [list(zip(per_block[i], layouts[i][0])) for i in placement.streamed]
+    pin = pin_memory and device.type == "cuda"
+    arena = HostArena([layouts[i][1] for i in placement.streamed], pin=pin)
+    for g, group in enumerate(groups):
+        region = arena.region(g)
+        for entry, sl in group:
+            entry.view_of(region[sl.offset : sl.offset + sl.nbytes]).copy_(entry.tensor.detach())
+            _set_tensor(entry, torch.empty(0, dtype=entry.dtype))  # drop the old storage now
+    streamed = {id(e) for group in groups for e, _ in group}
+    for entry in entries:
+        if id(entry) not in streamed and entry.tensor.device != device:
+            _set_tensor(entry, entry.tensor.to(device))
+
+    slots = [torch.empty(placement.slot_bytes, dtype=torch.uint8, device=device) for _ in range(placement.n_slots)]
+    for g, group in enumerate(groups):
+        slot = slots[g % placement.n_slots]
+        for entry, sl in group:
+            _set_tensor(entry, entry.view_of(slot[sl.offset : sl.offset + sl.nbytes]))
+
+    handle = OffloadHandle(
+        model, device, placement, [b.name for b in found], entries, groups, arena, slots
+    )
+    _install_schedule(handle, block_modules)
+    for module in model.modules():
+        module._apply = types.MethodType(_blocked_apply, module)
+        handle._patched.append(module)
+    object.__setattr__(model, _HANDLE_ATTR, handle)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+    return handle

@@ -1,0 +1,49 @@
+"""Byte sizes as users write them: ints, or strings like "6GiB", "500MB" (accelerate's convention)."""
+
+from __future__ import annotations
+
+import re
+
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
+
+
+def parse_size(size: int | str) -> int:
+    """Return a size in bytes from an int (bytes) or a string such as "6GiB", "500MB", "1.5GB".
+
+    Decimal units (KB, MB, GB, TB) are powers of 1000; binary units (KiB, MiB, GiB, TiB) powers of 1024.
+    """
+    if isinstance(size, bool):
+        raise ValueError(f"size must be an int of bytes or a string like '6GiB', got {size!r}")
+    if isinstance(size, int):
+        if size < 0:
+            raise ValueError(f"size must not be negative, got {size}")
+        return size
+    if isinstance(size, str):
+        match = _SIZE.match(size)
+        if match and match.group(2).upper() in _UNITS:
+            return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
+    raise ValueError(
+        f"cannot read {size!r} as a size: give an int of bytes or a string like '6GiB', '500MB', '1.5GB'"
+    )
+
+
+def format_size(nbytes: int) -> str:
+    """Return nbytes as a short human string with binary units, e.g. "1.50 GiB"."""
+    value = float(nbytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024:
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    return f"{value:.2f} TiB"
