@@ -6,7 +6,11 @@ class WeightstreamError(RuntimeError):
 
 
 class BudgetError(ValueError):
-    """The GPU memory budget cannot hold what must stay on the GPU."""
+    """The GPU memory budget cannot hold what must stay on the GPU; `minimum_bytes` is what would."""
+
+    def __init__(self, message: str, minimum_bytes: int) -> None:
+        super().__init__(message)
+        self.minimum_bytes = minimum_bytes
 
 
 class OffloadStateError(WeightstreamError):

@@ -73,7 +73,8 @@ class OffloadStats:
             f"device {self.device}: resident {format_size(self.resident_bytes)}, "
             f"streamed {format_size(self.streamed_bytes)} in {self.groups} groups, "
             f"staging {format_size(self.staging_bytes)} in {self.slots} slots, "
-            f"pinned {format_size(self.pinned_bytes)}; {self.copies} async copies, {self.fetches} sync fetches"
+            f"pinned {format_size(self.pinned_bytes)}; "
+            f"{self.copies} async copies, {self.fetches} sync fetches"
         )
 
 
@@ -107,7 +108,7 @@ def _collect(model: nn.Module, blocks: list[nn.Module]) -> list[Entry]:
 def _check_model(model: nn.Module, entries: list[Entry]) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"offload() takes an nn.Module, got {type(model).__name__}")
-    if any(getattr(m, _HANDLE_ATTR, None) is not None for m in model.modules()):
+    if any(getattr(m.__dict__.get("_apply"), "__func__", None) is _blocked_apply for m in model.modules()):
         raise OffloadStateError(
             "this model (or a submodule) is already offloaded: call handle.restore() before offloading again"
         )
@@ -133,7 +134,9 @@ def _resolve_device(device: str | torch.device | None) -> torch.device:
     device = torch.device(device)
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise WeightstreamError(f"device={device} asked for, but CUDA is not available here: use device='cpu'")
+            raise WeightstreamError(
+                f"device={device} asked for, but CUDA is not available here: use device='cpu'"
+            )
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
     elif device.type != "cpu":
@@ -374,7 +377,7 @@ def offload(
     fixed = sum(e.nbytes for e in entries if e.owner is None)
     placement = plan_placement(fixed, [size for _, size in layouts], budget)
 
-    groups = [list(zip(per_block[i], layouts[i][0])) for i in placement.streamed]
+    groups = [list(zip(per_block[i], layouts[i][0], strict=True)) for i in placement.streamed]
     pin = pin_memory and device.type == "cuda"
     arena = HostArena([layouts[i][1] for i in placement.streamed], pin=pin)
     for g, group in enumerate(groups):
@@ -387,7 +390,9 @@ def offload(
         if id(entry) not in streamed and entry.tensor.device != device:
             _set_tensor(entry, entry.tensor.to(device))
 
-    slots = [torch.empty(placement.slot_bytes, dtype=torch.uint8, device=device) for _ in range(placement.n_slots)]
+    slots = [
+        torch.empty(placement.slot_bytes, dtype=torch.uint8, device=device) for _ in range(placement.n_slots)
+    ]
     for g, group in enumerate(groups):
         slot = slots[g % placement.n_slots]
         for entry, sl in group:

@@ -48,15 +48,17 @@ def plan_placement(fixed_bytes: int, block_bytes: list[int], budget: int, max_sl
 
     `fixed_bytes` must stay resident whatever happens (everything outside the blocks); `block_bytes`
     is each block's streamable size (its staging footprint, alignment included). Two slots let one
-    group compute while the next one copies; one slot is the last resort for very small budgets.
+    group compute while the next one copies, so they come first; one slot, which serializes copy and
+    compute, is the last resort for budgets too small for two.
     """
     n = len(block_bytes)
     total = fixed_bytes + sum(block_bytes)
-    for k in range(n + 1):
-        streamed = spread(n, k)
-        resident = fixed_bytes + sum(b for i, b in enumerate(block_bytes) if i not in streamed)
-        slot = max((block_bytes[i] for i in streamed), default=0)
-        for n_slots in range(min(max_slots, k), 0 if k else -1, -1):
+    for slots_wanted in (max_slots, 1):
+        for k in range(n + 1):
+            streamed = spread(n, k)
+            resident = fixed_bytes + sum(b for i, b in enumerate(block_bytes) if i not in streamed)
+            slot = max((block_bytes[i] for i in streamed), default=0)
+            n_slots = min(slots_wanted, k)
             if resident + n_slots * slot <= budget:
                 return Placement(streamed, n_slots, slot, resident, total - resident)
     minimum = fixed_bytes + (max(block_bytes) if block_bytes else 0)
@@ -65,5 +67,6 @@ def plan_placement(fixed_bytes: int, block_bytes: list[int], budget: int, max_sl
         f"({format_size(fixed_bytes)} outside the repeated blocks) plus one staging slot "
         f"({format_size(max(block_bytes, default=0))}): give at least {format_size(minimum)} "
         f"({minimum} bytes); two slots, which overlap copies with compute, need "
-        f"{fixed_bytes + 2 * max(block_bytes, default=0)} bytes"
+        f"{fixed_bytes + 2 * max(block_bytes, default=0)} bytes",
+        minimum,
     )

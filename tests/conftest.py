@@ -1,0 +1,69 @@
+"""Shared fixtures: tiny random Hugging Face models built from configs (no downloads)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def hf_config(arch: str):
+    """A tiny config of the given architecture (random weights, a few hundred KiB)."""
+    import transformers as tf
+
+    common = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    if arch == "llama":
+        return tf.LlamaConfig(**common)
+    if arch == "qwen2":
+        return tf.Qwen2Config(**common)
+    if arch == "mistral":
+        return tf.MistralConfig(**common, sliding_window=None)
+    if arch == "mixtral":
+        return tf.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)
+    if arch == "gpt2":
+        return tf.GPT2Config(vocab_size=128, n_embd=64, n_layer=4, n_head=4, n_positions=128)
+    raise ValueError(arch)
+
+
+ARCHS = ["llama", "qwen2", "mistral", "gpt2", "mixtral"]
+
+
+def make_model(arch: str, seed: int = 0, dtype=torch.float32):
+    """A tiny random model in eval mode without gradients."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config(arch)).to(dtype)
+    return model.eval().requires_grad_(False)
+
+
+def weight_bytes(model) -> int:
+    """Bytes of the model's distinct parameters and buffers."""
+    seen = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
+    return sum(t.numel() * t.element_size() for t in seen.values())
+
+
+def state_copy(model) -> dict:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.fixture
+def twin():
+    """Return (reference, copy) of a tiny model: the copy gets offloaded, the reference stays resident."""
+
+    def build(arch: str = "llama", seed: int = 0, dtype=torch.float32):
+        ref = make_model(arch, seed, dtype)
+        return ref, copy.deepcopy(ref)
+
+    return build

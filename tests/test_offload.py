@@ -1,0 +1,302 @@
+"""The engine end to end on the CPU (synchronous backend): real schedule, real ops, real compile."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from conftest import ARCHS, state_copy, weight_bytes
+from torch import nn
+
+import weightstream as ws
+
+
+def ids_for(seed: int = 0, batch: int = 2, length: int = 9) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 128, (batch, length), generator=gen)
+
+
+def budget_for(model, fraction: float) -> int:
+    return int(weight_bytes(model) * fraction)
+
+
+@pytest.mark.parametrize("fraction", [0.45, 0.75])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_eager_logits_are_bit_identical(twin, arch, fraction):
+    ref, model = twin(arch)
+    handle = ws.offload(model, gpu_memory=budget_for(model, fraction), device="cpu")
+    assert handle.stats.groups >= 1
+    with torch.no_grad():
+        for seed in range(2):
+            ids = ids_for(seed)
+            assert torch.equal(model(ids).logits, ref(ids).logits)
+    stats = handle.stats
+    assert stats.fetches == 0 and stats.copies == 2 * stats.groups  # the planned schedule ran, in order
+    assert stats.resident_bytes + stats.streamed_bytes == weight_bytes(ref)
+    assert stats.resident_bytes + stats.staging_bytes <= budget_for(ref, fraction)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_compiled_fullgraph_is_bit_identical_to_compiled_resident(twin, arch):
+    ref, model = twin(arch)
+    handle = ws.offload(model, gpu_memory=budget_for(model, 0.5), device="cpu")
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    cref = torch.compile(ref, fullgraph=True)
+    cmodel = torch.compile(model, fullgraph=True)
+    with torch.no_grad():
+        for seed in range(2):
+            ids = ids_for(seed)
+            before = handle.stats.copies
+            assert torch.equal(cmodel(ids).logits, cref(ids).logits)
+            assert handle.stats.copies == before + handle.stats.groups  # the ops run inside the graph
+    assert not torch._dynamo.utils.counters["graph_break"]
+    assert handle.stats.fetches == 0
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_generate_gives_the_same_tokens(twin, arch):
+    ref, model = twin(arch)
+    ws.offload(model, gpu_memory=budget_for(model, 0.5), device="cpu")
+    ids = ids_for(1, batch=1)
+    kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(ids, **kwargs), ref.generate(ids, **kwargs))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_restore_gives_back_the_original_state_bit_for_bit(twin, arch):
+    ref, model = twin(arch)
+    original = state_copy(model)
+    classes = [type(m) for m in model.modules()]
+    handle = ws.offload(model, gpu_memory=budget_for(model, 0.4), device="cpu")
+    with torch.no_grad():
+        model(ids_for())
+    assert handle.restore() is model
+    restored = model.state_dict()
+    assert restored.keys() == original.keys()
+    assert all(torch.equal(restored[k], original[k]) for k in original)
+    assert [type(m) for m in model.modules()] == classes
+    assert not hasattr(model, "_weightstream_handle")
+    model.to(torch.float64)  # an ordinary module again
+    with pytest.raises(ws.OffloadStateError, match="already restored"):
+        handle.restore()
+
+
+def test_tied_embedding_is_stored_once(twin):
+    ref, model = twin("gpt2")
+    assert model.lm_head.weight is model.transformer.wte.weight
+    handle = ws.offload(model, gpu_memory=budget_for(model, 0.5), device="cpu")
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert handle.stats.resident_bytes + handle.stats.streamed_bytes == weight_bytes(ref)
+
+
+def test_streamed_parameters_are_fixed_views_into_the_slots(twin):
+    _, model = twin("llama")
+    handle = ws.offload(model, gpu_memory=budget_for(model, 0.4), device="cpu")
+    slots = {s.data_ptr(): s for s in handle._slots}
+    layer = dict(model.named_modules())[handle.streamed_blocks[0]]
+    for p in layer.parameters():
+        base = p.untyped_storage().data_ptr()
+        assert base in slots
+    ptrs = [p.data_ptr() for p in layer.parameters()]
+    with torch.no_grad():
+        model(ids_for())
+    assert ptrs == [p.data_ptr() for p in layer.parameters()]
+
+
+def test_everything_resident_when_the_budget_allows(twin):
+    ref, model = twin("llama")
+    handle = ws.offload(model, gpu_memory=weight_bytes(model), device="cpu")
+    assert handle.stats.groups == 0 and handle.stats.staging_bytes == 0
+    with torch.no_grad():
+        assert torch.equal(model(ids_for()).logits, ref(ids_for()).logits)
+
+
+# --- the unexpected order: a toy model whose forward can repeat, skip or reorder blocks -------------
+
+class Block(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+        self.register_buffer("scale", torch.rand(dim))
+        self.register_buffer("cache", torch.zeros(dim), persistent=False)
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x)) * self.scale + x
+
+
+class Toy(nn.Module):
+    def __init__(self, n: int = 6, dim: int = 16) -> None:
+        super().__init__()
+        self.inp = nn.Linear(dim, dim)
+        self.layers = nn.ModuleList(Block(dim) for _ in range(n))
+        self.order = list(range(n))
+
+    def forward(self, x):
+        x = self.inp(x)
+        for i in self.order:
+            x = self.layers[i](x)
+        return x
+
+
+def toy_twin(seed: int = 0):
+    torch.manual_seed(seed)
+    ref = Toy().eval().requires_grad_(False)
+    return ref, copy.deepcopy(ref)
+
+
+def toy_streaming_all(model):
+    per_block = weight_bytes(model.layers[0]) - model.layers[0].cache.numel() * 4
+    fixed = weight_bytes(model) - per_block * len(model.layers)
+    return ws.offload(model, gpu_memory=fixed + 2 * 2048, device="cpu")
+
+
+@pytest.mark.parametrize(
+    "order", [[0, 1, 2, 2, 3, 4, 5], [0, 1, 3, 4, 5], [5, 4, 3, 2, 1, 0], [2, 3], [0, 0, 0], []]
+)
+def test_unexpected_orders_still_use_the_right_weights(order):
+    ref, model = toy_twin()
+    handle = toy_streaming_all(model)
+    assert handle.stats.groups == 6
+    x = torch.randn(3, 16)
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for o in (order, list(range(6)), order):
+            ref.order = model.order = o
+            assert torch.equal(model(x), ref(x))
+    misses = [w for w in caught if "out of the planned order" in str(w.message)]
+    assert len(misses) == (1 if handle.stats.fetches else 0)  # warned once per model
+
+
+def test_one_block_called_by_hand_between_forwards():
+    ref, model = toy_twin()
+    toy_streaming_all(model)
+    x = torch.randn(3, 16)
+    with torch.no_grad(), pytest.warns(UserWarning, match="out of the planned order"):
+        assert torch.equal(model(x), ref(x))
+        assert torch.equal(model.layers[3](x), ref.layers[3](x))
+        assert torch.equal(model(x), ref(x))
+
+
+def test_persistent_buffers_stream_and_non_persistent_stay_resident():
+    _, model = toy_twin()
+    handle = toy_streaming_all(model)
+    slots = {s.untyped_storage().data_ptr() for s in handle._slots}
+    block = model.layers[1]
+    assert block.scale.untyped_storage().data_ptr() in slots
+    assert block.cache.untyped_storage().data_ptr() not in slots
+
+
+def test_a_parameter_shared_by_all_blocks_stays_resident():
+    torch.manual_seed(0)
+    ref = Toy().eval().requires_grad_(False)
+    for layer in ref.layers[1:]:
+        layer.fc.bias = ref.layers[0].fc.bias  # shared across blocks, ALBERT style
+    model = copy.deepcopy(ref)
+    handle = toy_streaming_all(model)
+    slots = {s.untyped_storage().data_ptr() for s in handle._slots}
+    assert model.layers[2].fc.bias.untyped_storage().data_ptr() not in slots
+    assert model.layers[2].fc.bias is model.layers[0].fc.bias
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        assert torch.equal(model(x), ref(x))
+
+
+def test_two_offloaded_models_in_one_process_are_independent():
+    ref_a, a = toy_twin(0)
+    ref_b, b = toy_twin(1)
+    ha, hb = toy_streaming_all(a), toy_streaming_all(b)
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(a(x), ref_a(x))
+            assert torch.equal(b(x), ref_b(x))
+        a.order = ref_a.order = [0, 1, 2]  # interleave: a stops half way, then b runs, then a again
+        assert torch.equal(a(x), ref_a(x))
+        assert torch.equal(b(x), ref_b(x))
+        a.order = ref_a.order = list(range(6))
+        assert torch.equal(a(x), ref_a(x))
+    assert ha.engine_id != hb.engine_id and hb.stats.fetches == 0
+    ha.restore()
+    with torch.no_grad():
+        assert torch.equal(b(x), ref_b(x))
+
+
+# --- bad input --------------------------------------------------------------------------------------
+
+def test_budget_too_small_names_the_minimum():
+    _, model = toy_twin()
+    with pytest.raises(ws.BudgetError, match=r"at least .* \((\d+) bytes\)") as info:
+        ws.offload(model, gpu_memory=1000, device="cpu")
+    minimum = info.value.minimum_bytes
+    assert f"({minimum} bytes)" in str(info.value)
+    handle = ws.offload(model, gpu_memory=minimum, device="cpu")  # the stated minimum works
+    assert handle.stats.slots == 1
+
+
+def test_training_mode_is_refused():
+    _, model = toy_twin()
+    with pytest.raises(ws.OffloadStateError, match=r"model.eval\(\)"):
+        ws.offload(model.train(), gpu_memory="1GB", device="cpu")
+
+
+def test_gradients_are_refused():
+    _, model = toy_twin()
+    with pytest.raises(ws.OffloadStateError, match=r"requires_grad_\(False\)"):
+        ws.offload(model.requires_grad_(True), gpu_memory="1GB", device="cpu")
+
+
+@pytest.mark.parametrize("move", [lambda m: m.to(torch.float64), lambda m: m.cuda(), lambda m: m.half(),
+                                  lambda m: m.layers[0].to("cpu")])
+def test_moving_an_offloaded_model_is_refused(move):
+    _, model = toy_twin()
+    toy_streaming_all(model)
+    with pytest.raises(ws.OffloadStateError, match=r"handle.restore\(\)"):
+        move(model)
+
+
+def test_meta_parameters_are_refused():
+    with torch.device("meta"):
+        model = Toy().eval().requires_grad_(False)
+    with pytest.raises(ws.OffloadStateError, match="meta device"):
+        ws.offload(model, gpu_memory="1GB", device="cpu")
+
+
+def test_offloading_twice_is_refused():
+    _, model = toy_twin()
+    toy_streaming_all(model)
+    with pytest.raises(ws.OffloadStateError, match="already offloaded"):
+        ws.offload(model, gpu_memory="1GB", device="cpu")
+    with pytest.raises(ws.OffloadStateError, match="already offloaded"):
+        ws.offload(model.layers[0], gpu_memory="1GB", device="cpu")
+
+
+@pytest.mark.parametrize("bad", ["lots", "-3GB", None])
+def test_bad_budget_strings_are_refused(bad):
+    _, model = toy_twin()
+    with pytest.raises(ValueError, match="size"):
+        ws.offload(model, gpu_memory=bad, device="cpu")
+
+
+def test_unknown_block_list_name_is_refused():
+    _, model = toy_twin()
+    with pytest.raises(ws.WeightstreamError, match="no submodule named 'decoder'"):
+        ws.offload(model, gpu_memory="1GB", device="cpu", blocks=["decoder"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on machines without CUDA")
+def test_cuda_without_cuda_is_refused():
+    _, model = toy_twin()
+    with pytest.raises(ws.WeightstreamError, match="device='cpu'"):
+        ws.offload(model, gpu_memory="1GB", device="cuda")
+
+
+def test_a_compiled_forward_after_restore_says_what_to_do():
+    _, model = toy_twin()
+    handle = toy_streaming_all(model)
+    engine_id = handle.engine_id
+    handle.restore()
+    with pytest.raises(RuntimeError, match="compile or capture the model again"):
+        ws.ops.wait(torch.ones(2), engine_id, 0)
