@@ -26,13 +26,15 @@ class HostArena:
         self.offsets = [sum(group_bytes[:i]) for i in range(len(group_bytes))]
         self.group_bytes = list(group_bytes)
         self.nbytes = sum(group_bytes)
-        raw = torch.empty(self.nbytes + _PAGE, dtype=torch.uint8)
-        start = (-raw.data_ptr()) % _PAGE  # page-align the region so registration pins no extra page
-        self.buffer = raw[start : start + self.nbytes]
+        self._raw = torch.empty(self.nbytes + _PAGE, dtype=torch.uint8)
+        start = (-self._raw.data_ptr()) % _PAGE  # groups start page-aligned
+        self.buffer = self._raw[start : start + self.nbytes]
         self.pinned_bytes = 0
         if pin and self.nbytes:
+            # Register the whole allocation: PyTorch checks pinning at a tensor's storage start,
+            # which lies before the aligned region.
             cudart = torch.cuda.cudart()
-            err = cudart.cudaHostRegister(self.buffer.data_ptr(), self.nbytes, 0)
+            err = cudart.cudaHostRegister(self._raw.data_ptr(), self._raw.numel(), 0)
             if int(err) != 0:
                 raise PinnedMemoryError(
                     f"could not page-lock {format_size(self.nbytes)} of host memory (CUDA error {int(err)}; "
@@ -40,7 +42,7 @@ class HostArena:
                     "or pass pin_memory=False to stream from pageable memory, which works but copies "
                     "about 9x slower and cannot be captured in CUDA graphs."
                 )
-            self.pinned_bytes = self.nbytes
+            self.pinned_bytes = self._raw.numel()
 
     def region(self, group: int) -> torch.Tensor:
         """Return group `group`'s bytes as a uint8 tensor view."""
@@ -50,5 +52,5 @@ class HostArena:
     def close(self) -> None:
         """Unpin the memory (the caller must have synchronized every copy that reads it)."""
         if self.pinned_bytes:
-            torch.cuda.cudart().cudaHostUnregister(self.buffer.data_ptr())
+            torch.cuda.cudart().cudaHostUnregister(self._raw.data_ptr())
             self.pinned_bytes = 0
