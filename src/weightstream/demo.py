@@ -37,7 +37,9 @@ def _weight_bytes(model) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-def _generate(model, prompt: torch.Tensor, new_tokens: int, device: torch.device) -> tuple[torch.Tensor, float]:
+def _generate(
+    model, prompt: torch.Tensor, new_tokens: int, device: torch.device
+) -> tuple[torch.Tensor, float]:
     """Greedy generation; returns the tokens and the seconds it took."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -86,7 +88,8 @@ def run_demo(device: str | None = None, fraction: float = 0.4, new_tokens: int =
     print(f"placement: {stats}")
     print(f"GPU memory allocated: {before} resident -> {after} offloaded")
     print(f"resident:  {new_tokens / resident_s:8.1f} tokens/s")
-    print(f"offloaded: {new_tokens / offloaded_s:8.1f} tokens/s (eager generate, {stats.groups} blocks streamed)")
+    print(f"offloaded: {new_tokens / offloaded_s:8.1f} tokens/s "
+          f"(eager generate, {stats.groups} blocks streamed)")
     print(f"tokens identical to the fully resident run: {'yes' if same else 'NO'}")
     handle.restore()
     return same

@@ -50,6 +50,10 @@ class CudaTransfer(SyncTransfer):
         self.device = device
         self.stream = torch.cuda.Stream(device)
         self.ready = [torch.cuda.Event() for _ in slots]
+        # Whether each event was last recorded inside a CUDA graph capture. Such an event cannot be
+        # waited on outside that capture (nor an eager one inside it); neither wait is needed: a capture
+        # starts after a device synchronize, and a captured forward joins its copies before it ends.
+        self.ready_in_capture = [False for _ in slots]
 
     def _check_capturable(self) -> None:
         if not self.arena.pinned_bytes and torch.cuda.is_current_stream_capturing():
@@ -64,6 +68,7 @@ class CudaTransfer(SyncTransfer):
         with torch.cuda.stream(self.stream):
             self._copy_async(slot, group)
         self.ready[slot].record(self.stream)
+        self.ready_in_capture[slot] = torch.cuda.is_current_stream_capturing()
 
     def _copy_async(self, slot: int, group: int) -> None:
         src = self.arena.region(group)
@@ -71,7 +76,8 @@ class CudaTransfer(SyncTransfer):
 
     def wait(self, slot: int) -> None:
         """Make the compute stream wait (on the GPU) for the copy into `slot`."""
-        torch.cuda.current_stream(self.device).wait_event(self.ready[slot])
+        if self.ready_in_capture[slot] == torch.cuda.is_current_stream_capturing():
+            torch.cuda.current_stream(self.device).wait_event(self.ready[slot])
 
     def fetch_now(self, slot: int, group: int) -> None:
         """Copy `group` into `slot` on the compute stream, after any copy still in flight into it."""
