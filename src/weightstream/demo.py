@@ -75,12 +75,12 @@ def run_demo(device: str | None = None, fraction: float = 0.4, new_tokens: int =
     print(f"model: Llama-shaped, {model.config.num_hidden_layers} layers, {format_size(total)} of weights "
           f"({dtype}); budget {format_size(budget)} ({fraction:.0%})")
 
-    _generate(model, prompt, 2, dev)  # warm-up
+    _generate(model, prompt, new_tokens, dev)  # warm-up: kernels, allocator, cuBLAS workspace
     reference, resident_s = _generate(model, prompt, new_tokens, dev)
     before = _gpu_memory(dev)
     handle = offload(model, gpu_memory=budget, device=dev)
     after = _gpu_memory(dev)
-    _generate(model, prompt, 2, dev)  # warm-up
+    _generate(model, prompt, new_tokens, dev)  # warm-up
     tokens, offloaded_s = _generate(model, prompt, new_tokens, dev)
 
     stats = handle.stats
