@@ -16,3 +16,18 @@ def test_arena_is_exact_size_with_disjoint_group_regions():
         assert torch.all(region == g + 1)
     assert arena.buffer.data_ptr() % 4096 == 0
     arena.close()
+
+
+def test_failed_pinning_names_the_pin_memory_opt_out(monkeypatch):
+    import pytest
+
+    from weightstream.errors import PinnedMemoryError
+
+    class RefusingCudart:  # what cudaHostRegister answers under a container memlock limit
+        @staticmethod
+        def cudaHostRegister(ptr, size, flags):
+            return 2  # cudaErrorMemoryAllocation
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: RefusingCudart)
+    with pytest.raises(PinnedMemoryError, match="pin_memory=False"):
+        HostArena([4096], pin=True)
