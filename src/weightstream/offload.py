@@ -105,9 +105,7 @@ def _collect(model: nn.Module, blocks: list[nn.Module]) -> list[Entry]:
     return list(entries.values())
 
 
-def _check_model(model: nn.Module, entries: list[Entry]) -> None:
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"offload() takes an nn.Module, got {type(model).__name__}")
+def _check_model(model: nn.Module, entries: list[Entry], allow_meta: bool) -> None:
     if any(getattr(m.__dict__.get("_apply"), "__func__", None) is _blocked_apply for m in model.modules()):
         raise OffloadStateError(
             "this model (or a submodule) is already offloaded: call handle.restore() before offloading again"
@@ -116,7 +114,7 @@ def _check_model(model: nn.Module, entries: list[Entry]) -> None:
         raise OffloadStateError("weightstream is for inference: call model.eval() before offload()")
     for entry in entries:
         site = entry.sites[0]
-        if entry.tensor.is_meta:
+        if entry.tensor.is_meta and not allow_meta:
             raise OffloadStateError(
                 f"{type(site.module).__name__}.{site.name} is on the meta device: load the weights first "
                 "(e.g. from_pretrained, or model.to_empty() and a state dict)"
@@ -280,9 +278,16 @@ class OffloadHandle:
 
 
 def _set_tensor(entry: Entry, value: torch.Tensor) -> None:
-    """Point every site of `entry` at `value` (parameters keep their identity)."""
-    if isinstance(entry.tensor, nn.Parameter):
+    """Point every site of `entry` at `value` (parameters keep their identity, except meta ones, which
+    are replaced at every site by one new parameter)."""
+    if isinstance(entry.tensor, nn.Parameter) and not entry.tensor.is_meta:
         entry.tensor.data = value
+        return
+    if isinstance(entry.tensor, nn.Parameter):
+        value = nn.Parameter(value, requires_grad=False)
+        for site in entry.sites:
+            site.module._parameters[site.name] = value
+        entry.tensor = value
         return
     for site in entry.sites:
         site.module._buffers[site.name] = value
@@ -343,6 +348,104 @@ def _install_schedule(handle: OffloadHandle, blocks: list[nn.Module]) -> None:
         handle._streamed_modules.append(block)
 
 
+@dataclass
+class Prepared:
+    """A model whose placement is decided but whose tensors are not yet in their final places."""
+
+    model: nn.Module
+    device: torch.device
+    block_names: list[str]
+    block_modules: list[nn.Module]
+    entries: list[Entry]
+    placement: Placement
+    groups: list[list[tuple[Entry, Slice]]]
+    group_bytes: list[int]
+
+
+def prepare(
+    model: nn.Module,
+    gpu_memory: int | str,
+    device: str | torch.device | None = None,
+    blocks: list[str] | None = None,
+    allow_meta: bool = False,
+) -> Prepared:
+    """Check the model and decide what stays on `device` and what streams; moves nothing yet.
+
+    allow_meta: accept parameters on the meta device (a model built empty, to be filled from a
+    checkpoint straight into its final places).
+    """
+    budget = parse_size(gpu_memory)
+    device = _resolve_device(device)
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"offload() takes an nn.Module, got {type(model).__name__}")
+    found = find_blocks(model, blocks)
+    block_modules = [b.module for b in found]
+    entries = _collect(model, block_modules)
+    _check_model(model, entries, allow_meta)
+
+    per_block: list[list[Entry]] = [[] for _ in found]
+    for entry in entries:
+        if entry.owner is not None:
+            per_block[entry.owner].append(entry)
+    layouts = [pack([e.nbytes for e in group]) for group in per_block]
+    fixed = sum(e.nbytes for e in entries if e.owner is None)
+    placement = plan_placement(fixed, [size for _, size in layouts], budget)
+    groups = [list(zip(per_block[i], layouts[i][0], strict=True)) for i in placement.streamed]
+    group_bytes = [layouts[i][1] for i in placement.streamed]
+    return Prepared(model, device, [b.name for b in found], block_modules, entries, placement, groups,
+                    group_bytes)
+
+
+def final_places(prep: Prepared, arena: HostArena, keep_on_device: bool) -> dict[int, torch.Tensor]:
+    """The final home of every entry, keyed by id(entry): a view into the host arena for a streamed
+    tensor, a tensor on the device for a resident one (the entry's own when `keep_on_device` and it is
+    already there, else a new empty one)."""
+    places: dict[int, torch.Tensor] = {}
+    for g, group in enumerate(prep.groups):
+        region = arena.region(g)
+        for entry, sl in group:
+            places[id(entry)] = entry.view_of(region[sl.offset : sl.offset + sl.nbytes])
+    for entry in prep.entries:
+        if id(entry) in places:
+            continue
+        if keep_on_device and entry.tensor.device == prep.device:
+            places[id(entry)] = entry.tensor.detach()
+        else:
+            places[id(entry)] = torch.empty(entry.shape, dtype=entry.dtype, device=prep.device)
+    return places
+
+
+def finish(prep: Prepared, arena: HostArena, places: dict[int, torch.Tensor]) -> OffloadHandle:
+    """Point every tensor at its final place (streamed ones at their GPU slot views), install the
+    schedule and return the handle. `places` must hold every entry's bytes by now."""
+    placement = prep.placement
+    streamed = {id(e) for group in prep.groups for e, _ in group}
+    for entry in prep.entries:
+        if id(entry) not in streamed:
+            _set_tensor(entry, places[id(entry)])
+    slots = [
+        torch.empty(placement.slot_bytes, dtype=torch.uint8, device=prep.device)
+        for _ in range(placement.n_slots)
+    ]
+    for g, group in enumerate(prep.groups):
+        slot = slots[g % placement.n_slots]
+        for entry, sl in group:
+            _set_tensor(entry, entry.view_of(slot[sl.offset : sl.offset + sl.nbytes]))
+
+    handle = OffloadHandle(
+        prep.model, prep.device, placement, prep.block_names, prep.entries, prep.groups, arena, slots
+    )
+    _install_schedule(handle, prep.block_modules)
+    for module in prep.model.modules():
+        module._apply = types.MethodType(_blocked_apply, module)
+        handle._patched.append(module)
+    object.__setattr__(prep.model, _HANDLE_ATTR, handle)
+    if prep.device.type == "cuda":
+        torch.cuda.synchronize(prep.device)
+        torch.cuda.empty_cache()
+    return handle
+
+
 def offload(
     model: nn.Module,
     gpu_memory: int | str,
@@ -362,51 +465,17 @@ def offload(
     blocks: qualified names of the block lists to stream (e.g. ["model.layers"]); found automatically
         by default.
     """
-    budget = parse_size(gpu_memory)
-    device = _resolve_device(device)
-    found = find_blocks(model, blocks) if isinstance(model, nn.Module) else []
-    block_modules = [b.module for b in found]
-    entries = _collect(model, block_modules) if isinstance(model, nn.Module) else []
-    _check_model(model, entries)
-
-    per_block: list[list[Entry]] = [[] for _ in found]
-    for entry in entries:
-        if entry.owner is not None:
-            per_block[entry.owner].append(entry)
-    layouts = [pack([e.nbytes for e in group]) for group in per_block]
-    fixed = sum(e.nbytes for e in entries if e.owner is None)
-    placement = plan_placement(fixed, [size for _, size in layouts], budget)
-
-    groups = [list(zip(per_block[i], layouts[i][0], strict=True)) for i in placement.streamed]
-    pin = pin_memory and device.type == "cuda"
-    arena = HostArena([layouts[i][1] for i in placement.streamed], pin=pin)
-    for g, group in enumerate(groups):
-        region = arena.region(g)
-        for entry, sl in group:
-            entry.view_of(region[sl.offset : sl.offset + sl.nbytes]).copy_(entry.tensor.detach())
-            _set_tensor(entry, torch.empty(0, dtype=entry.dtype))  # drop the old storage now
-    streamed = {id(e) for group in groups for e, _ in group}
-    for entry in entries:
-        if id(entry) not in streamed and entry.tensor.device != device:
-            _set_tensor(entry, entry.tensor.to(device))
-
-    slots = [
-        torch.empty(placement.slot_bytes, dtype=torch.uint8, device=device) for _ in range(placement.n_slots)
-    ]
-    for g, group in enumerate(groups):
-        slot = slots[g % placement.n_slots]
-        for entry, sl in group:
-            _set_tensor(entry, entry.view_of(slot[sl.offset : sl.offset + sl.nbytes]))
-
-    handle = OffloadHandle(
-        model, device, placement, [b.name for b in found], entries, groups, arena, slots
-    )
-    _install_schedule(handle, block_modules)
-    for module in model.modules():
-        module._apply = types.MethodType(_blocked_apply, module)
-        handle._patched.append(module)
-    object.__setattr__(model, _HANDLE_ATTR, handle)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
-    return handle
+    prep = prepare(model, gpu_memory, device, blocks)
+    arena = HostArena(prep.group_bytes, pin=pin_memory and prep.device.type == "cuda")
+    places = final_places(prep, arena, keep_on_device=True)
+    streamed = {id(e) for group in prep.groups for e, _ in group}
+    # Streamed tensors first, each old storage dropped at once, so a model already on the GPU never
+    # holds more than it did before; then the resident ones that must move to the device.
+    for entry in sorted(prep.entries, key=lambda e: id(e) not in streamed):
+        target = places[id(entry)]
+        if target.device == entry.tensor.device and target.data_ptr() == entry.tensor.data_ptr():
+            continue  # already in its final place
+        target.copy_(entry.tensor.detach())
+        if id(entry) in streamed:
+            _set_tensor(entry, torch.empty(0, dtype=entry.dtype))
+    return finish(prep, arena, places)
