@@ -6,13 +6,16 @@
     handle.restore()
 """
 
+from .checkpoint import CheckpointError
 from .errors import BudgetError, OffloadStateError, PinnedMemoryError, WeightstreamError
-from .offload import OffloadHandle, OffloadStats, offload
+from .hf import from_pretrained
+from .offload import OffloadHandle, OffloadStats, handle_of, offload
 from .plan import Placement
 from .sizes import format_size, parse_size
 
 __all__ = [
     "BudgetError",
+    "CheckpointError",
     "OffloadHandle",
     "OffloadStateError",
     "OffloadStats",
@@ -20,6 +23,8 @@ __all__ = [
     "Placement",
     "WeightstreamError",
     "format_size",
+    "from_pretrained",
+    "handle_of",
     "offload",
     "parse_size",
 ]

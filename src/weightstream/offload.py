@@ -348,6 +348,14 @@ def _install_schedule(handle: OffloadHandle, blocks: list[nn.Module]) -> None:
         handle._streamed_modules.append(block)
 
 
+def handle_of(model: nn.Module) -> OffloadHandle:
+    """The handle of a model offloaded by `offload` or `from_pretrained`."""
+    handle = getattr(model, _HANDLE_ATTR, None)
+    if handle is None:
+        raise OffloadStateError("this model is not offloaded by weightstream")
+    return handle
+
+
 @dataclass
 class Prepared:
     """A model whose placement is decided but whose tensors are not yet in their final places."""

@@ -1,0 +1,173 @@
+"""`from_pretrained`: load a local Hugging Face checkpoint straight into its offloaded places.
+
+The model is built with its parameters on the meta device (buffers, such as rotary tables, are
+computed as usual), the placement is decided from the sizes alone, and each tensor is then read from
+its shard straight into its final place: a resident one onto the device (through a bounce buffer of
+the largest tensor's size), a streamed one into its pinned host region. The full model is never on
+the GPU, and host memory peaks at the streamed bytes plus that one bounce buffer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+from pathlib import Path
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from .checkpoint import CheckpointError, StoredTensor, read_index, read_into
+from .host import HostArena
+from .offload import Entry, final_places, finish, prepare
+
+
+@contextlib.contextmanager
+def params_on_meta():
+    """Build modules with their parameters on the meta device and their buffers real.
+
+    Parameters are allocated uninitialized and moved to meta as they are registered, so their
+    initializers cost nothing; buffers computed in constructors (rotary tables) stay correct.
+    """
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module, name, param):
+        register(module, name, param)
+        if param is not None and not param.is_meta:
+            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def _build_model(folder: Path, dtype: torch.dtype | None) -> nn.Module:
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError as err:
+        raise CheckpointError("from_pretrained needs transformers: pip install 'weightstream[hf]'") from err
+    if not (folder / "config.json").is_file():
+        raise CheckpointError(
+            f"{folder} is not a Hugging Face checkpoint folder: it has no config.json (give the folder "
+            "that save_pretrained wrote)"
+        )
+    try:
+        config = AutoConfig.from_pretrained(folder)
+    except (ValueError, KeyError, OSError) as err:
+        raise CheckpointError(f"{folder}/config.json: transformers cannot read it: {err}") from None
+    dtype = dtype or getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    try:
+        with params_on_meta():
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    except ValueError as err:
+        raise CheckpointError(
+            f"{folder}: transformers does not know this architecture ({config.model_type}): {err}"
+        ) from None
+    return model.eval().requires_grad_(False)
+
+
+def _entry_names(model: nn.Module, entries: list[Entry]) -> dict[str, Entry]:
+    """Every qualified name under which each entry appears (tied weights have several)."""
+    paths: dict[int, list[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        paths.setdefault(id(module), []).append(name)
+    names = {}
+    for entry in entries:
+        for site in entry.sites:
+            for path in paths[id(site.module)]:
+                names[f"{path}.{site.name}" if path else site.name] = entry
+    return names
+
+
+def _match(model: nn.Module, entries: list[Entry], stored: dict[str, StoredTensor], folder: Path):
+    """Pair every streamable or persistent entry with its stored tensor; check shapes and dtypes."""
+    names = _entry_names(model, entries)
+    persistent = {id(e) for e in entries if any(
+        s.is_param or s.name not in s.module._non_persistent_buffers_set for s in e.sites)}
+    pairs: dict[int, tuple[Entry, StoredTensor]] = {}
+    for name, tensor in stored.items():
+        entry = names.get(name)
+        if entry is not None and id(entry) in persistent:
+            pairs.setdefault(id(entry), (entry, tensor))
+    missing = [e for e in entries if id(e) in persistent and id(e) not in pairs]
+    unexpected = sorted(set(stored) - set(names))
+    if missing:
+        example = next(n for n, e in names.items() if e is missing[0])
+        hint = (" The checkpoint stores tensors the model does not have (e.g. "
+                f"{unexpected[0]}): its layout needs a weight conversion (such as fused MoE experts) that "
+                "weightstream does not do yet." if unexpected else "")
+        raise CheckpointError(f"{folder}: {len(missing)} tensor(s) the model needs are not in the "
+                              f"checkpoint, e.g. {example}.{hint}")
+    if unexpected:
+        warnings.warn(f"{folder}: ignoring {len(unexpected)} checkpoint tensor(s) the model does not have, "
+                      f"e.g. {unexpected[:3]}", stacklevel=3)
+    for entry, tensor in pairs.values():
+        name = next(n for n, e in names.items() if e is entry)
+        if tensor.shape != entry.shape:
+            raise CheckpointError(f"{folder}: {name} has shape {list(tensor.shape)} in the checkpoint but "
+                                  f"{list(entry.shape)} in the model built from config.json")
+        if tensor.dtype.is_floating_point != entry.dtype.is_floating_point:
+            raise CheckpointError(f"{folder}: {name} is {tensor.dtype} in the checkpoint but the model "
+                                  f"expects {entry.dtype}")
+    return list(pairs.values())
+
+
+def _fill(pairs, places: dict[int, torch.Tensor], progress: bool) -> None:
+    """Read every stored tensor into its place, converting dtype where the model asks for another."""
+    staging = max((t.nbytes for _, t in pairs), default=0)
+    bounce = torch.empty(staging, dtype=torch.uint8)
+    total = sum(t.nbytes for _, t in pairs)
+    with tqdm(total=total, unit="B", unit_scale=True, desc="loading", disable=not progress) as bar:
+        for entry, stored in sorted(pairs, key=lambda p: (str(p[1].path), p[1].offset)):
+            dst = places[id(entry)]
+            direct = dst.device.type == "cpu" and stored.dtype == entry.dtype and dst.is_contiguous()
+            if direct:
+                read_into(stored, dst)
+            else:
+                raw = bounce[: stored.nbytes].view(stored.dtype).view(stored.shape)
+                read_into(stored, raw)
+                dst.copy_(raw)  # to the device and/or to the model's dtype
+            bar.update(stored.nbytes)
+
+
+def from_pretrained(
+    path: str | os.PathLike,
+    gpu_memory: int | str,
+    *,
+    dtype: torch.dtype | str | None = None,
+    device: str | torch.device | None = None,
+    pin_memory: bool = True,
+    progress: bool = True,
+) -> nn.Module:
+    """Load the causal LM in the local folder `path` so its weights take at most `gpu_memory`.
+
+    path: a folder written by `save_pretrained` (config.json and safetensors shards). Nothing is
+        downloaded. dtype: the model's dtype (default: the config's). Returns the model, offloaded;
+        `weightstream.handle_of(model)` gives its handle. On any error nothing stays allocated.
+    """
+    folder = Path(path)
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder} is not a folder: give the folder a save_pretrained call wrote")
+    model = _build_model(folder, getattr(torch, dtype) if isinstance(dtype, str) else dtype)
+    stored = read_index(folder)
+    prep = prepare(model, gpu_memory, device, allow_meta=True)
+    pairs = _match(model, prep.entries, stored, folder)
+    arena = HostArena(prep.group_bytes, pin=pin_memory and prep.device.type == "cuda")
+    try:
+        places = final_places(prep, arena, keep_on_device=True)
+        _fill(pairs, places, progress)
+        paired = {id(entry) for entry, _ in pairs}
+        for entry in prep.entries:  # buffers computed at construction (rotary tables), not stored
+            if id(entry) not in paired and places[id(entry)] is not entry.tensor.detach():
+                places[id(entry)].copy_(entry.tensor)
+        finish(prep, arena, places)
+    except BaseException:
+        arena.close()
+        raise
+    return model
+
