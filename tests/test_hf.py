@@ -1,0 +1,141 @@
+"""from_pretrained: tiny checkpoints saved to a temp folder, loaded back under small budgets."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+import pytest
+import torch
+from conftest import make_model, weight_bytes
+from transformers import AutoModelForCausalLM
+
+import weightstream as ws
+
+LOADABLE = ["llama", "qwen2", "mistral", "gpt2"]
+
+
+def save(model, folder, shard="60KB"):
+    model.save_pretrained(folder, max_shard_size=shard)
+    return folder
+
+
+def ids_for(seed=0, batch=2, length=9):
+    return torch.randint(0, 128, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("fraction", [0.35, 0.7])
+@pytest.mark.parametrize("arch", LOADABLE)
+def test_loaded_model_equals_transformers_own_load(tmp_path, arch, fraction):
+    folder = save(make_model(arch), tmp_path)
+    assert len([f for f in os.listdir(folder) if f.endswith(".safetensors")]) > 1  # sharded
+    reference = AutoModelForCausalLM.from_pretrained(folder).eval()
+    model = ws.from_pretrained(folder, gpu_memory=int(weight_bytes(reference) * fraction), device="cpu",
+                               progress=False)
+    assert ws.handle_of(model).stats.groups >= 1
+    with torch.no_grad():
+        assert torch.equal(model(ids_for()).logits, reference(ids_for()).logits)
+    kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(ids_for(1, 1), **kwargs), reference.generate(ids_for(1, 1), **kwargs))
+
+
+def test_dtype_conversion_matches_transformers(tmp_path):
+    folder = save(make_model("llama"), tmp_path)
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
+    model = ws.from_pretrained(folder, gpu_memory="200KB", dtype="bfloat16", device="cpu", progress=False)
+    assert next(model.parameters()).dtype == torch.bfloat16
+    with torch.no_grad():
+        assert torch.equal(model(ids_for()).logits, reference(ids_for()).logits)
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_load_never_holds_more_than_one_shard_beyond_the_final_placement(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=4000, hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
+                         num_attention_heads=8, num_key_value_heads=2)
+    big = LlamaForCausalLM(config).eval()
+    folder = save(big, tmp_path, shard="20MB")
+    shard_bytes = max(os.path.getsize(folder / f) for f in os.listdir(folder) if f.endswith(".safetensors"))
+    total = weight_bytes(big)
+    del big
+    before = _rss()
+    peak, stop = [before], threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            peak[0] = max(peak[0], _rss())
+            time.sleep(0.002)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    model = ws.from_pretrained(folder, gpu_memory=total // 3, device="cpu", progress=False)
+    stop.set()
+    sampler.join()
+    final = _rss()
+    stats = ws.handle_of(model).stats
+    assert stats.groups >= 4
+    # on the CPU backend "device" memory is host memory too: weights + staging slots, nothing more
+    assert final - before <= total + stats.staging_bytes + 32 * 2**20
+    assert peak[0] - final <= shard_bytes + 32 * 2**20  # extra over the final footprint: < one shard
+
+
+# --- errors: each says what to fix --------------------------------------------------------------------
+
+def test_missing_shard(tmp_path):
+    folder = save(make_model("llama"), tmp_path)
+    os.remove(folder / sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))[1])
+    with pytest.raises(ws.CheckpointError, match="missing"):
+        ws.from_pretrained(folder, gpu_memory="1GB", device="cpu")
+
+
+def test_truncated_shard(tmp_path):
+    folder = save(make_model("llama"), tmp_path)
+    shard = folder / sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[:-64])
+    with pytest.raises(ws.CheckpointError, match="truncated"):
+        ws.from_pretrained(folder, gpu_memory="1GB", device="cpu")
+
+
+def test_shape_that_does_not_match_the_config(tmp_path):
+    folder = save(make_model("llama"), tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    config["intermediate_size"] = 80
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ws.CheckpointError, match=r"shape \[96, 64\] in the checkpoint but \[80, 64\]"):
+        ws.from_pretrained(folder, gpu_memory="1GB", device="cpu")
+
+
+def test_unknown_architecture(tmp_path):
+    folder = save(make_model("llama"), tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    config["model_type"] = "no-such-architecture"
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ws.CheckpointError, match="config.json"):
+        ws.from_pretrained(folder, gpu_memory="1GB", device="cpu")
+
+
+def test_budget_too_small(tmp_path):
+    folder = save(make_model("llama"), tmp_path)
+    with pytest.raises(ws.BudgetError, match="at least"):
+        ws.from_pretrained(folder, gpu_memory="10KB", device="cpu")
+
+
+def test_not_a_checkpoint(tmp_path):
+    with pytest.raises(ws.CheckpointError, match="config.json"):
+        ws.from_pretrained(tmp_path, gpu_memory="1GB", device="cpu")
+    with pytest.raises(ws.CheckpointError, match="not a folder"):
+        ws.from_pretrained(tmp_path / "nothing", gpu_memory="1GB", device="cpu")
+
+
+def test_moe_checkpoint_that_needs_conversion_says_so(tmp_path):
+    folder = save(make_model("mixtral"), tmp_path)
+    with pytest.raises(ws.CheckpointError, match="weight conversion"):
+        ws.from_pretrained(folder, gpu_memory="1GB", device="cpu")
