@@ -15,6 +15,16 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--fraction", type=float, default=0.4,
                       help="GPU budget as a fraction of the weight bytes (default 0.4)")
     demo.add_argument("--new-tokens", type=int, default=32, help="tokens to generate (default 32)")
+    gen = sub.add_parser("generate", help="load a local checkpoint offloaded and generate text")
+    gen.add_argument("path", help="a local Hugging Face checkpoint folder (config, safetensors, tokenizer)")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--gpu-memory", required=True, help='GPU budget for the weights, e.g. "20GiB"')
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--compile", action="store_true",
+                     help="static KV cache and torch.compile(fullgraph=True)")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    gen.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    gen.add_argument("--dtype", default=None, help="e.g. bfloat16 (default: the checkpoint's)")
     args = parser.parse_args(argv)
 
     if args.command == "demo":
@@ -23,6 +33,20 @@ def main(argv: list[str] | None = None) -> int:
         from .demo import run_demo
 
         return 0 if run_demo(args.device, args.fraction, args.new_tokens) else 1
+    if args.command == "generate":
+        from .errors import WeightstreamError
+        from .generate import generate_text
+
+        try:
+            summary = generate_text(
+                args.path, args.prompt, args.gpu_memory, max_new_tokens=args.max_new_tokens,
+                compile=args.compile, chat=args.chat, device=args.device, dtype=args.dtype,
+            )
+        except (WeightstreamError, ValueError) as err:
+            print(f"weightstream generate: {err}", file=sys.stderr)
+            return 1
+        print(summary)
+        return 0
     return 2
 
 

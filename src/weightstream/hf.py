@@ -44,18 +44,27 @@ def params_on_meta():
         nn.Module.register_parameter = register
 
 
-def _build_model(folder: Path, dtype: torch.dtype | None) -> nn.Module:
-    try:
-        from transformers import AutoConfig, AutoModelForCausalLM
-    except ImportError as err:
-        raise CheckpointError("from_pretrained needs transformers: pip install 'weightstream[hf]'") from err
+def checkpoint_folder(path: str | os.PathLike) -> Path:
+    """`path` as a local checkpoint folder; raises CheckpointError when it is not one (never looks
+    anything up on a model hub)."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise CheckpointError(f"{folder} is not a folder: give the folder a save_pretrained call wrote")
     if not (folder / "config.json").is_file():
         raise CheckpointError(
             f"{folder} is not a Hugging Face checkpoint folder: it has no config.json (give the folder "
             "that save_pretrained wrote)"
         )
+    return folder
+
+
+def _build_model(folder: Path, dtype: torch.dtype | None) -> nn.Module:
     try:
-        config = AutoConfig.from_pretrained(folder)
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError as err:
+        raise CheckpointError("from_pretrained needs transformers: pip install 'weightstream[hf]'") from err
+    try:
+        config = AutoConfig.from_pretrained(folder, local_files_only=True)
     except (ValueError, KeyError, OSError) as err:
         raise CheckpointError(f"{folder}/config.json: transformers cannot read it: {err}") from None
     dtype = dtype or getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
@@ -150,9 +159,7 @@ def from_pretrained(
         downloaded. dtype: the model's dtype (default: the config's). Returns the model, offloaded;
         `weightstream.handle_of(model)` gives its handle. On any error nothing stays allocated.
     """
-    folder = Path(path)
-    if not folder.is_dir():
-        raise CheckpointError(f"{folder} is not a folder: give the folder a save_pretrained call wrote")
+    folder = checkpoint_folder(path)
     model = _build_model(folder, getattr(torch, dtype) if isinstance(dtype, str) else dtype)
     stored = read_index(folder)
     prep = prepare(model, gpu_memory, device, allow_meta=True)

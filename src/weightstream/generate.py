@@ -1,0 +1,115 @@
+"""`weightstream generate`: load a local checkpoint offloaded, stream the generated text, summarize."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .checkpoint import CheckpointError
+from .hf import checkpoint_folder, from_pretrained
+from .offload import handle_of
+from .sizes import format_size
+
+
+@dataclass(frozen=True)
+class GenerationSummary:
+    """What one `generate` run did. Times in seconds."""
+
+    new_tokens: int
+    seconds: float
+    first_token_seconds: float
+    gpu_allocated_bytes: int | None
+    pinned_bytes: int
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds else 0.0
+
+    def __str__(self) -> str:
+        gpu = "n/a (CPU)" if self.gpu_allocated_bytes is None else format_size(self.gpu_allocated_bytes)
+        return (f"{self.new_tokens} tokens in {self.seconds:.2f} s: {self.tokens_per_second:.2f} tokens/s, "
+                f"time to first token {self.first_token_seconds * 1000:.0f} ms, GPU allocated {gpu}, "
+                f"pinned {format_size(self.pinned_bytes)}")
+
+
+def _load_tokenizer(path: str | os.PathLike):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(checkpoint_folder(path), local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{path}: no usable tokenizer in the folder ({err})") from None
+
+
+def _timed_streamer(tokenizer, start: float, echo: bool):
+    """A text streamer that prints tokens as they come and records when the first one came."""
+    from transformers import TextStreamer
+
+    class Streamer(TextStreamer):
+        first: float | None = None
+        count = 0
+
+        def put(self, value):
+            if self.next_tokens_are_prompt:
+                return super().put(value)
+            self.first = self.first or time.perf_counter() - start
+            self.count += value.numel()
+            if echo:
+                super().put(value)
+
+        def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
+            print(text, flush=True, end="" if not stream_end else None)
+
+    return Streamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+
+
+def generate_text(
+    path: str | os.PathLike,
+    prompt: str,
+    gpu_memory: int | str,
+    *,
+    max_new_tokens: int = 64,
+    compile: bool = False,
+    chat: bool = False,
+    device: str | None = None,
+    dtype: str | None = None,
+    echo: bool = True,
+) -> GenerationSummary:
+    """Load `path` offloaded under `gpu_memory`, generate greedily from `prompt`, print the text as it
+    comes (when `echo`), and return the summary. compile: static KV cache and
+    `torch.compile(fullgraph=True)` of the forward. chat: wrap the prompt in the tokenizer's chat
+    template."""
+    tokenizer = _load_tokenizer(path)
+    model = from_pretrained(path, gpu_memory, dtype=dtype, device=device)
+    handle = handle_of(model)
+    if chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise CheckpointError(f"{path}: the tokenizer has no chat template; drop --chat")
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                            return_tensors="pt", return_dict=True)["input_ids"]
+    else:
+        ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    ids = ids.to(handle.device)
+    kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, attention_mask=torch.ones_like(ids),
+                  pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id or 0, disable_compile=True)
+    if compile:
+        kwargs["cache_implementation"] = "static"
+        model.forward = torch.compile(model.forward, fullgraph=True)
+    start = time.perf_counter()
+    streamer = _timed_streamer(tokenizer, start, echo)
+    model.generate(ids, streamer=streamer, **kwargs)
+    if handle.device.type == "cuda":
+        torch.cuda.synchronize(handle.device)
+    seconds = time.perf_counter() - start
+    return GenerationSummary(
+        new_tokens=streamer.count,
+        seconds=seconds,
+        first_token_seconds=streamer.first or seconds,
+        gpu_allocated_bytes=(
+            torch.cuda.memory_allocated(handle.device) if handle.device.type == "cuda" else None
+        ),
+        pinned_bytes=handle.stats.pinned_bytes,
+    )
