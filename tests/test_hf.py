@@ -139,3 +139,39 @@ def test_moe_checkpoint_that_needs_conversion_says_so(tmp_path):
     folder = save(make_model("mixtral"), tmp_path)
     with pytest.raises(ws.CheckpointError, match="weight conversion"):
         ws.from_pretrained(folder, gpu_memory="1GB", device="cpu")
+
+
+# --- the disk tier -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_disk_tier_is_exact_and_restores(tmp_path, arch):
+    folder = save(make_model(arch), tmp_path)
+    reference = AutoModelForCausalLM.from_pretrained(folder).eval()
+    budget = int(weight_bytes(reference) * 0.4)
+    plain = ws.handle_of(ws.from_pretrained(folder, gpu_memory=budget, device="cpu", progress=False)).stats
+    group = plain.staging_bytes // plain.slots
+    # two bounce buffers plus room for one and a half of the four streamed groups in host memory
+    model = ws.from_pretrained(folder, gpu_memory=budget, cpu_memory=3 * group + group // 2, device="cpu",
+                               progress=False)
+    stats = ws.handle_of(model).stats
+    assert 0 < stats.disk_bytes < stats.streamed_bytes  # some groups on disk, some in host memory
+    with torch.no_grad():
+        for seed in range(2):
+            assert torch.equal(model(ids_for(seed)).logits, reference(ids_for(seed)).logits)
+    kwargs = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(ids_for(1, 1), **kwargs), reference.generate(ids_for(1, 1), **kwargs))
+    ws.handle_of(model).restore()
+    want = reference.state_dict()
+    assert all(torch.equal(v, want[k]) for k, v in model.state_dict().items())
+
+
+def test_disk_tier_needs_room_for_its_bounce_buffers(tmp_path):
+    folder = save(make_model("llama"), tmp_path)
+    with pytest.raises(ws.BudgetError, match="bounce buffers"):
+        ws.from_pretrained(folder, gpu_memory="200KB", cpu_memory="10KB", device="cpu")
+
+
+def test_disk_tier_refuses_a_dtype_change(tmp_path):
+    folder = save(make_model("llama"), tmp_path)
+    with pytest.raises(ws.CheckpointError, match="dtype='float32'"):
+        ws.from_pretrained(folder, gpu_memory="200KB", cpu_memory="150KB", dtype="bfloat16", device="cpu")

@@ -19,8 +19,12 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from .checkpoint import CheckpointError, StoredTensor, read_index, read_into
+from .disk import DiskTier
+from .errors import BudgetError
 from .host import HostArena
 from .offload import Entry, final_places, finish, prepare
+from .plan import spread
+from .sizes import format_size, parse_size
 
 
 @contextlib.contextmanager
@@ -144,10 +148,33 @@ def _fill(pairs, places: dict[int, torch.Tensor], progress: bool) -> None:
             bar.update(stored.nbytes)
 
 
+def choose_disk_groups(group_bytes: list[int], cpu_memory: int | None) -> tuple[frozenset[int], int]:
+    """Which streamed groups stay on disk when host memory for them is limited to `cpu_memory` bytes,
+    and the bytes of each of the two pinned bounce buffers they then need. Disk groups are spread
+    through the model, so the disk reader works ahead while host groups stream."""
+    if cpu_memory is None or sum(group_bytes) <= cpu_memory:
+        return frozenset(), 0
+    bounce = max(group_bytes)
+    room = cpu_memory - 2 * bounce
+    if room < 0:
+        raise BudgetError(
+            f"cpu_memory={format_size(cpu_memory)} cannot hold the disk tier's two bounce buffers: give at "
+            f"least {format_size(2 * bounce)} ({2 * bounce} bytes), or no cpu_memory limit",
+            2 * bounce,
+        )
+    n = len(group_bytes)
+    for k in range(1, n + 1):
+        on_disk = spread(n, k)
+        if sum(b for g, b in enumerate(group_bytes) if g not in on_disk) <= room:
+            return frozenset(on_disk), bounce
+    raise AssertionError("unreachable: all groups on disk always fit")
+
+
 def from_pretrained(
     path: str | os.PathLike,
     gpu_memory: int | str,
     *,
+    cpu_memory: int | str | None = None,
     dtype: torch.dtype | str | None = None,
     device: str | torch.device | None = None,
     pin_memory: bool = True,
@@ -156,25 +183,53 @@ def from_pretrained(
     """Load the causal LM in the local folder `path` so its weights take at most `gpu_memory`.
 
     path: a folder written by `save_pretrained` (config.json and safetensors shards). Nothing is
-        downloaded. dtype: the model's dtype (default: the config's). Returns the model, offloaded;
-        `weightstream.handle_of(model)` gives its handle. On any error nothing stays allocated.
+        downloaded.
+    cpu_memory: host memory for the streamed weights, bytes or "64GiB" (default: no limit). Streamed
+        groups beyond it stay in the safetensors files and are read every forward through two pinned
+        bounce buffers (counted in cpu_memory); that disk tier needs the checkpoint's dtype and cannot
+        be captured in CUDA graphs.
+    dtype: the model's dtype (default: the config's).
+    Returns the model, offloaded; `weightstream.handle_of(model)` gives its handle. On any error
+    nothing stays allocated.
     """
     folder = checkpoint_folder(path)
     model = _build_model(folder, getattr(torch, dtype) if isinstance(dtype, str) else dtype)
     stored = read_index(folder)
     prep = prepare(model, gpu_memory, device, allow_meta=True)
     pairs = _match(model, prep.entries, stored, folder)
-    arena = HostArena(prep.group_bytes, pin=pin_memory and prep.device.type == "cuda")
+    host_limit = None if cpu_memory is None else parse_size(cpu_memory)
+    on_disk, _ = choose_disk_groups(prep.group_bytes, host_limit)
+    disk = _disk_tier(prep, pairs, on_disk, folder) if on_disk else None
+    pin = pin_memory and prep.device.type == "cuda"
+    arena = HostArena([0 if g in on_disk else b for g, b in enumerate(prep.group_bytes)], pin=pin)
     try:
-        places = final_places(prep, arena, keep_on_device=True)
-        _fill(pairs, places, progress)
+        places = final_places(prep, arena, keep_on_device=True, disk_groups=on_disk)
+        _fill([p for p in pairs if id(p[0]) in places], places, progress)
         paired = {id(entry) for entry, _ in pairs}
         for entry in prep.entries:  # buffers computed at construction (rotary tables), not stored
             if id(entry) not in paired and places[id(entry)] is not entry.tensor.detach():
                 places[id(entry)].copy_(entry.tensor)
-        finish(prep, arena, places)
+        finish(prep, arena, places, disk, pin)
     except BaseException:
         arena.close()
         raise
     return model
 
+
+
+def _disk_tier(prep, pairs, on_disk: frozenset[int], folder: Path) -> DiskTier:
+    """The disk tier for the groups in `on_disk`: where each of their tensors lies in its shard."""
+    stored_of = {id(entry): stored for entry, stored in pairs}
+    groups = {}
+    for g in on_disk:
+        groups[g] = []
+        for entry, sl in prep.groups[g]:
+            stored = stored_of[id(entry)]
+            if stored.dtype != entry.dtype:
+                raise CheckpointError(
+                    f"{folder}: the disk tier streams tensors as stored ({stored.dtype}) but the model "
+                    f"asks for {entry.dtype}: load with dtype={str(stored.dtype).removeprefix('torch.')!r} "
+                    "or give cpu_memory enough for every streamed group"
+                )
+            groups[g].append((stored, sl))
+    return DiskTier(groups, {g: prep.group_bytes[g] for g in on_disk})

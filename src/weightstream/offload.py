@@ -16,6 +16,7 @@ from torch import nn
 
 from . import ops
 from .blocks import find_blocks
+from .disk import DiskTier
 from .errors import OffloadStateError, WeightstreamError
 from .host import HostArena
 from .layout import Slice, pack
@@ -63,6 +64,7 @@ class OffloadStats:
     streamed_bytes: int
     staging_bytes: int
     pinned_bytes: int
+    disk_bytes: int
     groups: int
     slots: int
     copies: int
@@ -73,7 +75,7 @@ class OffloadStats:
             f"device {self.device}: resident {format_size(self.resident_bytes)}, "
             f"streamed {format_size(self.streamed_bytes)} in {self.groups} groups, "
             f"staging {format_size(self.staging_bytes)} in {self.slots} slots, "
-            f"pinned {format_size(self.pinned_bytes)}; "
+            f"pinned {format_size(self.pinned_bytes)}, read from disk {format_size(self.disk_bytes)}; "
             f"{self.copies} async copies, {self.fetches} sync fetches"
         )
 
@@ -179,6 +181,8 @@ class OffloadHandle:
         groups: list[list[tuple[Entry, Slice]]],
         arena: HostArena,
         slots: list[torch.Tensor],
+        disk: DiskTier | None = None,
+        pin: bool = True,
     ) -> None:
         self.model = model
         self.device = device
@@ -190,7 +194,9 @@ class OffloadHandle:
         self._slots = slots
         self._schedule = Schedule(len(groups), placement.n_slots)
         cuda = device.type == "cuda"
-        self._transfer = CudaTransfer(arena, slots, device) if cuda else SyncTransfer(arena, slots)
+        self._transfer = (
+            CudaTransfer(arena, slots, device, disk, pin) if cuda else SyncTransfer(arena, slots, disk)
+        )
         self._warned = False
         self._streamed_modules: list[nn.Module] = []
         self._patched: list[nn.Module] = []
@@ -233,7 +239,8 @@ class OffloadHandle:
             resident_bytes=p.resident_bytes,
             streamed_bytes=sum(e.nbytes for g in self._groups for e, _ in g),
             staging_bytes=p.staging_bytes,
-            pinned_bytes=self._arena.pinned_bytes,
+            pinned_bytes=self._arena.pinned_bytes + self._transfer.extra_pinned_bytes,
+            disk_bytes=self._transfer.disk.nbytes if self._transfer.disk is not None else 0,
             groups=len(self._groups),
             slots=p.n_slots,
             copies=self._schedule.copies,
@@ -255,8 +262,12 @@ class OffloadHandle:
         for module in self._patched:
             del module._apply
         object.__delattr__(self.model, _HANDLE_ATTR)
+        self._transfer.close()
         for g, group in enumerate(self._groups):
             region = self._arena.region(g)
+            if self._transfer.on_disk(g):
+                region = torch.empty(self._transfer.disk.group_bytes[g], dtype=torch.uint8)
+                self._transfer.disk.read_group(g, region)
             for entry, sl in group:
                 raw = region[sl.offset : sl.offset + sl.nbytes]
                 value = entry.view_of(raw).to(target, copy=True)
@@ -404,17 +415,22 @@ def prepare(
                     group_bytes)
 
 
-def final_places(prep: Prepared, arena: HostArena, keep_on_device: bool) -> dict[int, torch.Tensor]:
+def final_places(
+    prep: Prepared, arena: HostArena, keep_on_device: bool, disk_groups: frozenset[int] = frozenset()
+) -> dict[int, torch.Tensor]:
     """The final home of every entry, keyed by id(entry): a view into the host arena for a streamed
     tensor, a tensor on the device for a resident one (the entry's own when `keep_on_device` and it is
-    already there, else a new empty one)."""
+    already there, else a new empty one). Entries of `disk_groups` have none: they stay in their files."""
     places: dict[int, torch.Tensor] = {}
     for g, group in enumerate(prep.groups):
+        if g in disk_groups:
+            continue
         region = arena.region(g)
         for entry, sl in group:
             places[id(entry)] = entry.view_of(region[sl.offset : sl.offset + sl.nbytes])
+    streamed = {id(e) for group in prep.groups for e, _ in group}
     for entry in prep.entries:
-        if id(entry) in places:
+        if id(entry) in streamed:
             continue
         if keep_on_device and entry.tensor.device == prep.device:
             places[id(entry)] = entry.tensor.detach()
@@ -423,9 +439,16 @@ def final_places(prep: Prepared, arena: HostArena, keep_on_device: bool) -> dict
     return places
 
 
-def finish(prep: Prepared, arena: HostArena, places: dict[int, torch.Tensor]) -> OffloadHandle:
+def finish(
+    prep: Prepared,
+    arena: HostArena,
+    places: dict[int, torch.Tensor],
+    disk: DiskTier | None = None,
+    pin: bool = True,
+) -> OffloadHandle:
     """Point every tensor at its final place (streamed ones at their GPU slot views), install the
-    schedule and return the handle. `places` must hold every entry's bytes by now."""
+    schedule and return the handle. `places` must hold every resident and host-streamed entry's bytes
+    by now; groups in `disk` are read from their files each forward."""
     placement = prep.placement
     streamed = {id(e) for group in prep.groups for e, _ in group}
     for entry in prep.entries:
@@ -441,7 +464,8 @@ def finish(prep: Prepared, arena: HostArena, places: dict[int, torch.Tensor]) ->
             _set_tensor(entry, entry.view_of(slot[sl.offset : sl.offset + sl.nbytes]))
 
     handle = OffloadHandle(
-        prep.model, prep.device, placement, prep.block_names, prep.entries, prep.groups, arena, slots
+        prep.model, prep.device, placement, prep.block_names, prep.entries, prep.groups, arena, slots,
+        disk, pin,
     )
     _install_schedule(handle, prep.block_modules)
     for module in prep.model.modules():
@@ -474,7 +498,8 @@ def offload(
         by default.
     """
     prep = prepare(model, gpu_memory, device, blocks)
-    arena = HostArena(prep.group_bytes, pin=pin_memory and prep.device.type == "cuda")
+    pin = pin_memory and prep.device.type == "cuda"
+    arena = HostArena(prep.group_bytes, pin=pin)
     places = final_places(prep, arena, keep_on_device=True)
     streamed = {id(e) for group in prep.groups for e, _ in group}
     # Streamed tensors first, each old storage dropped at once, so a model already on the GPU never
@@ -486,4 +511,4 @@ def offload(
         target.copy_(entry.tensor.detach())
         if id(entry) in streamed:
             _set_tensor(entry, torch.empty(0, dtype=entry.dtype))
-    return finish(prep, arena, places)
+    return finish(prep, arena, places, pin=pin)

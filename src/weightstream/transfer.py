@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from .disk import DiskPrefetcher, DiskTier
 from .errors import WeightstreamError
 from .host import HostArena
 
@@ -16,11 +17,19 @@ from .host import HostArena
 class SyncTransfer:
     """Immediate copies for the CPU backend (and any device without streams)."""
 
-    def __init__(self, arena: HostArena, slots: list[torch.Tensor]) -> None:
+    def __init__(self, arena: HostArena, slots: list[torch.Tensor], disk: DiskTier | None = None) -> None:
         self.arena = arena
         self.slots = slots
+        self.disk = disk
+
+    def on_disk(self, group: int) -> bool:
+        """True when `group` is read from its checkpoint file rather than host memory."""
+        return self.disk is not None and self.disk.holds(group)
 
     def _copy(self, slot: int, group: int) -> None:
+        if self.on_disk(group):
+            self.disk.read_group(group, self.slots[slot])
+            return
         src = self.arena.region(group)
         self.slots[slot][: src.numel()].copy_(src)
 
@@ -41,12 +50,31 @@ class SyncTransfer:
     def synchronize(self) -> None:
         """Block the host until every copy has finished (here: nothing to wait for)."""
 
+    def close(self) -> None:
+        """Stop background work (the disk reader)."""
+
+    @property
+    def extra_pinned_bytes(self) -> int:
+        """Pinned bytes beyond the arena (disk bounce buffers)."""
+        return 0
+
 
 class CudaTransfer(SyncTransfer):
     """Asynchronous host->GPU copies on a dedicated copy stream, ordered with CUDA events."""
 
-    def __init__(self, arena: HostArena, slots: list[torch.Tensor], device: torch.device) -> None:
-        super().__init__(arena, slots)
+    def __init__(
+        self,
+        arena: HostArena,
+        slots: list[torch.Tensor],
+        device: torch.device,
+        disk: DiskTier | None = None,
+        pin: bool = True,
+    ) -> None:
+        super().__init__(arena, slots, disk)
+        self.prefetcher = None
+        if disk is not None and disk.order:
+            size = max(disk.group_bytes.values())
+            self.prefetcher = DiskPrefetcher(disk, 2, size, pin=pin)
         self.device = device
         self.stream = torch.cuda.Stream(device)
         self.ready = [torch.cuda.Event() for _ in slots]
@@ -55,15 +83,22 @@ class CudaTransfer(SyncTransfer):
         # starts after a device synchronize, and a captured forward joins its copies before it ends.
         self.ready_in_capture = [False for _ in slots]
 
-    def _check_capturable(self) -> None:
-        if not self.arena.pinned_bytes and torch.cuda.is_current_stream_capturing():
+    def _check_capturable(self, group: int) -> None:
+        if not torch.cuda.is_current_stream_capturing():
+            return
+        if self.on_disk(group):
+            raise WeightstreamError(
+                "groups read from disk cannot be captured in a CUDA graph: give cpu_memory enough for "
+                "every streamed group, or run without CUDA graphs"
+            )
+        if not self.arena.pinned_bytes:
             raise WeightstreamError(
                 "CUDA graph capture needs pinned host memory: offload with pin_memory=True (the default)"
             )
 
     def start_copy(self, slot: int, group: int) -> None:
         """Start copying `group` into `slot` on the copy stream once compute has released the slot."""
-        self._check_capturable()
+        self._check_capturable(group)
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             self._copy_async(slot, group)
@@ -71,8 +106,23 @@ class CudaTransfer(SyncTransfer):
         self.ready_in_capture[slot] = torch.cuda.is_current_stream_capturing()
 
     def _copy_async(self, slot: int, group: int) -> None:
-        src = self.arena.region(group)
-        self.slots[slot][: src.numel()].copy_(src, non_blocking=True)
+        """Enqueue the copy of `group` into `slot` on the current stream."""
+        dst = self.slots[slot]
+        if not self.on_disk(group):
+            src = self.arena.region(group)
+            dst[: src.numel()].copy_(src, non_blocking=True)
+            return
+        got = self.prefetcher.take(group)
+        if got is None:  # out of the reader's order: read now, copy synchronously from pageable memory
+            src = torch.empty(self.disk.group_bytes[group], dtype=torch.uint8)
+            self.disk.read_group(group, src)
+            dst[: src.numel()].copy_(src)
+            return
+        src, index = got
+        dst[: src.numel()].copy_(src, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record(torch.cuda.current_stream(self.device))
+        self.prefetcher.give_back(index, copied)
 
     def wait(self, slot: int) -> None:
         """Make the compute stream wait (on the GPU) for the copy into `slot`."""
@@ -81,7 +131,7 @@ class CudaTransfer(SyncTransfer):
 
     def fetch_now(self, slot: int, group: int) -> None:
         """Copy `group` into `slot` on the compute stream, after any copy still in flight into it."""
-        self._check_capturable()
+        self._check_capturable(group)
         self.wait(slot)
         self._copy_async(slot, group)
 
@@ -92,3 +142,13 @@ class CudaTransfer(SyncTransfer):
     def synchronize(self) -> None:
         """Block the host until every copy has finished."""
         self.stream.synchronize()
+
+    def close(self) -> None:
+        """Stop the disk reader, if any."""
+        if self.prefetcher is not None:
+            self.prefetcher.close()
+
+    @property
+    def extra_pinned_bytes(self) -> int:
+        """Pinned bytes of the disk bounce buffers."""
+        return self.prefetcher.pinned_bytes if self.prefetcher is not None else 0
