@@ -206,6 +206,7 @@ class OffloadHandle:
     # --- the schedule, called from the custom ops -------------------------------------------------
     def wait(self, group: int) -> None:
         """Make group `group`'s weights ready in its slot before its block computes."""
+        self._transfer.check_capture()
         plan = self._schedule.on_wait(group)
         for slot in plan.prologue:
             self._transfer.start_copy(slot, slot)

@@ -53,6 +53,9 @@ class SyncTransfer:
     def close(self) -> None:
         """Stop background work (the disk reader)."""
 
+    def check_capture(self) -> None:
+        """Raise when a CUDA graph is being captured and this transfer cannot be captured."""
+
     @property
     def extra_pinned_bytes(self) -> int:
         """Pinned bytes beyond the arena (disk bounce buffers)."""
@@ -83,22 +86,23 @@ class CudaTransfer(SyncTransfer):
         # starts after a device synchronize, and a captured forward joins its copies before it ends.
         self.ready_in_capture = [False for _ in slots]
 
-    def _check_capturable(self, group: int) -> None:
+    def check_capture(self) -> None:
+        """Raise when a CUDA graph is being captured and this transfer cannot be captured: groups on
+        disk, or pageable host memory. Called before any GPU work of a forward is enqueued."""
         if not torch.cuda.is_current_stream_capturing():
             return
-        if self.on_disk(group):
+        if self.disk is not None and self.disk.order:
             raise WeightstreamError(
                 "groups read from disk cannot be captured in a CUDA graph: give cpu_memory enough for "
                 "every streamed group, or run without CUDA graphs"
             )
-        if not self.arena.pinned_bytes:
+        if self.arena.nbytes and not self.arena.pinned_bytes:
             raise WeightstreamError(
                 "CUDA graph capture needs pinned host memory: offload with pin_memory=True (the default)"
             )
 
     def start_copy(self, slot: int, group: int) -> None:
         """Start copying `group` into `slot` on the copy stream once compute has released the slot."""
-        self._check_capturable(group)
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             self._copy_async(slot, group)
@@ -131,7 +135,6 @@ class CudaTransfer(SyncTransfer):
 
     def fetch_now(self, slot: int, group: int) -> None:
         """Copy `group` into `slot` on the compute stream, after any copy still in flight into it."""
-        self._check_capturable(group)
         self.wait(slot)
         self._copy_async(slot, group)
 

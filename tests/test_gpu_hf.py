@@ -1,0 +1,82 @@
+"""from_pretrained on a real GPU: straight into place, never the whole model on the GPU, disk tier."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_model, weight_bytes
+from transformers import AutoModelForCausalLM
+
+import weightstream as ws
+from weightstream import hf
+
+pytestmark = pytest.mark.gpu
+
+
+def ids_for(seed=0, batch=2, length=16):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 128, (batch, length), generator=gen).cuda()
+
+
+@pytest.fixture
+def folder(tmp_path):
+    make_model("llama", dtype=torch.bfloat16).save_pretrained(tmp_path, max_shard_size="100KB")
+    return tmp_path
+
+
+def test_load_is_exact_and_never_puts_the_whole_model_on_the_gpu(folder):
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval().cuda()
+    total = weight_bytes(reference)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    model = ws.from_pretrained(folder, gpu_memory=total // 2, progress=False)
+    stats = ws.handle_of(model).stats
+    peak = torch.cuda.max_memory_allocated() - base
+    assert stats.groups >= 2 and stats.pinned_bytes >= stats.streamed_bytes
+    assert peak <= stats.resident_bytes + stats.staging_bytes + 512 * 64 < total
+    with torch.no_grad():
+        assert torch.equal(model(ids_for()).logits, reference(ids_for()).logits)
+
+
+def test_a_failure_mid_load_leaves_nothing_allocated(folder, monkeypatch):
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    calls = []
+
+    def failing_read(stored, dst):
+        calls.append(1)
+        if len(calls) == 5:
+            raise OSError("disk gone")
+        return original(stored, dst)
+
+    original = hf.read_into
+    monkeypatch.setattr(hf, "read_into", failing_read)
+    with pytest.raises(OSError, match="disk gone"):
+        ws.from_pretrained(folder, gpu_memory="300KB", progress=False)
+    import gc
+
+    gc.collect()
+    assert torch.cuda.memory_allocated() == base
+
+
+def test_disk_tier_on_the_gpu_is_exact_and_refuses_graph_capture(folder):
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval().cuda()
+    budget = weight_bytes(reference) // 2
+    plain = ws.handle_of(ws.from_pretrained(folder, gpu_memory=budget, progress=False)).stats
+    group = plain.staging_bytes // plain.slots
+    model = ws.from_pretrained(folder, gpu_memory=budget, cpu_memory=3 * group + group // 2, progress=False)
+    stats = ws.handle_of(model).stats
+    assert 0 < stats.disk_bytes < stats.streamed_bytes
+    with torch.no_grad():
+        for seed in range(3):
+            assert torch.equal(model(ids_for(seed)).logits, reference(ids_for(seed)).logits)
+        hidden = torch.randn(2, 16, 64, device="cuda", dtype=torch.bfloat16)
+        pos = model.model.rotary_emb(hidden, torch.arange(16, device="cuda")[None])
+        kwargs = dict(position_embeddings=pos, attention_mask=None)
+        got = model.model.layers[1](hidden, **kwargs)  # out of order: a synchronous read from disk
+        assert torch.equal(got, reference.model.layers[1](hidden, **kwargs))
+        assert torch.equal(model(ids_for(5)).logits, reference(ids_for(5)).logits)
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(ws.WeightstreamError, match="disk"), torch.no_grad(), torch.cuda.graph(graph):
+        model(ids_for(), use_cache=False)
