@@ -77,6 +77,6 @@ def test_disk_tier_on_the_gpu_is_exact_and_refuses_graph_capture(folder):
         got = model.model.layers[1](hidden, **kwargs)  # out of order: a synchronous read from disk
         assert torch.equal(got, reference.model.layers[1](hidden, **kwargs))
         assert torch.equal(model(ids_for(5)).logits, reference(ids_for(5)).logits)
-    graph = torch.cuda.CUDAGraph()
+    graph, ids = torch.cuda.CUDAGraph(), ids_for()
     with pytest.raises(ws.WeightstreamError, match="disk"), torch.no_grad(), torch.cuda.graph(graph):
-        model(ids_for(), use_cache=False)
+        model(ids, use_cache=False)
