@@ -1,0 +1,152 @@
+"""`weightstream probe`: measure what the planner needs to know about this machine, and cache it.
+
+Three rates, as seconds per weight byte so the cost model can work in bytes:
+- host->GPU copy from pinned memory;
+- a GEMM whose weight is resident, at several tokens per forward (M);
+- the same GEMM reading its weight in place from pinned host memory (zero copy), at the same M.
+Cached per GPU model in $XDG_CACHE_HOME/weightstream (default ~/.cache/weightstream).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+TOKENS = (1, 16, 64, 256, 1024, 2048, 8192)
+
+
+@dataclass(frozen=True)
+class MachineProfile:
+    """Measured rates of one GPU and its link. `resident` and `uva` map tokens per forward (M) to
+    seconds per weight byte of a bf16 GEMM; `copy_s_per_byte` is the pinned host->GPU copy."""
+
+    gpu: str
+    copy_s_per_byte: float
+    resident: dict[int, float]
+    uva: dict[int, float]
+    block_overhead_s: float = 0.0  # fixed cost of a block's small kernels (launch gaps, norms)
+
+    @property
+    def h2d_GBps(self) -> float:
+        return 1e-9 / self.copy_s_per_byte
+
+    def copy_seconds(self, nbytes: int) -> float:
+        """Seconds to copy nbytes host->GPU."""
+        return nbytes * self.copy_s_per_byte
+
+    def resident_seconds(self, nbytes: int, tokens: int) -> float:
+        """Seconds for GEMMs over nbytes of resident weights at `tokens` tokens per forward."""
+        return nbytes * _interpolate(self.resident, tokens) + self.block_overhead_s
+
+    def uva_seconds(self, nbytes: int, tokens: int) -> float:
+        """Seconds for the same GEMMs reading their weights in place over the link."""
+        return nbytes * _interpolate(self.uva, tokens) + self.block_overhead_s
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> MachineProfile:
+        data = json.loads(text)
+        for key in ("resident", "uva"):
+            data[key] = {int(m): v for m, v in data[key].items()}
+        return cls(**data)
+
+
+def _interpolate(table: dict[int, float], tokens: int) -> float:
+    """Seconds per byte at `tokens`, interpolating linearly in log(tokens) between measured points and
+    extrapolating linearly in tokens past the largest (compute-bound: time grows with M)."""
+    points = sorted(table.items())
+    tokens = max(tokens, points[0][0])
+    if tokens >= points[-1][0]:
+        m, v = points[-1]
+        return v * tokens / m
+    for (m0, v0), (m1, v1) in zip(points, points[1:], strict=False):
+        if m0 <= tokens <= m1:
+            w = (math.log(tokens) - math.log(m0)) / (math.log(m1) - math.log(m0))
+            return v0 + w * (v1 - v0)
+    raise AssertionError("unreachable")
+
+
+# Measured by `weightstream probe` on the H200 of benchmarks/results/probe_h200.json; used to plan
+# where no GPU can be measured (the CPU backend, `weightstream plan` on a laptop).
+H200 = MachineProfile(
+    gpu="NVIDIA H200 (reference)",
+    copy_s_per_byte=1 / 55.2e9,
+    resident={1: 2.9e-13, 16: 2.9e-13, 64: 2.9e-13, 256: 3.6e-13, 1024: 1.3e-12, 2048: 2.6e-12,
+              8192: 1.04e-11},
+    uva={1: 1 / 51e9, 16: 1 / 51e9, 64: 1 / 51e9, 256: 1 / 40e9, 1024: 1 / 12e9, 2048: 1 / 6e9,
+         8192: 1 / 1.5e9},
+    block_overhead_s=0.0,
+)
+
+
+def _time_ms(fn, reps: int = 10) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def measure(device: torch.device | str = "cuda", progress: bool = True) -> MachineProfile:
+    """Measure this GPU: pinned copy bandwidth and bf16 GEMM time per weight byte, resident and zero
+    copy, at each M in TOKENS. Takes about ten seconds."""
+    from .uva import uva_view
+
+    device = torch.device(device)
+    copy_s_per_byte = _copy_seconds_per_byte(device)
+    n, k = 8192, 8192  # a 128 MiB bf16 weight, the size of a large projection
+    weight = torch.randn(n, k, device=device, dtype=torch.bfloat16)
+    host = torch.empty(n * k * 2, dtype=torch.uint8, pin_memory=True)
+    host.copy_(weight.view(-1).view(torch.uint8))
+    remote = uva_view(host, device).view(torch.bfloat16).view(n, k)
+    resident, uva = {}, {}
+    for m in TOKENS:
+        x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+        resident[m] = _time_ms(lambda x=x: x @ weight.t()) / 1e3 / (n * k * 2)
+        uva[m] = _time_ms(lambda x=x: x @ remote.t(), reps=3) / 1e3 / (n * k * 2)
+        if progress:
+            print(f"  M={m:5d}: resident {1e-9 / resident[m]:8.1f} GB/s of weights, zero copy "
+                  f"{1e-9 / uva[m]:6.1f} GB/s", flush=True)
+    return MachineProfile(torch.cuda.get_device_name(device), copy_s_per_byte, resident, uva)
+
+
+def _copy_seconds_per_byte(device: torch.device, nbytes: int = 2**30) -> float:
+    """Pinned host->GPU copy time per byte (median of 10 copies of 1 GiB)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return _time_ms(lambda: dst.copy_(src, non_blocking=True)) / 1e3 / nbytes
+
+
+def cache_path(gpu: str) -> Path:
+    """Where the profile of GPU model `gpu` is cached."""
+    root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "weightstream"
+    return root / ("profile-" + "".join(c if c.isalnum() else "_" for c in gpu) + ".json")
+
+
+def load_profile(device: torch.device | str | None = None, refresh: bool = False) -> MachineProfile:
+    """This GPU's profile from the cache, measured (and cached) when absent or when `refresh`. Without
+    CUDA, the reference H200 profile."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type != "cuda":
+        return H200
+    path = cache_path(torch.cuda.get_device_name(device))
+    if path.is_file() and not refresh:
+        return MachineProfile.from_json(path.read_text())
+    profile = measure(device, progress=False)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(profile.to_json())
+    return profile
