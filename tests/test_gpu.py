@@ -59,7 +59,7 @@ def test_eager_exact_and_streamed_bytes_leave_the_gpu(arch):
     ref, model = twins(arch)
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
-    handle = ws.offload(model, gpu_memory=streaming_all_budget(model))
+    handle = ws.offload(model, gpu_memory=streaming_all_budget(model), strategy="stream")
     stats = handle.stats
     assert stats.groups == 4
     freed = before - torch.cuda.memory_allocated()
@@ -74,7 +74,7 @@ def test_eager_exact_and_streamed_bytes_leave_the_gpu(arch):
 
 def test_compiled_fullgraph_exact(eager_rounding):
     ref, model = twins()
-    ws.offload(model, gpu_memory=streaming_all_budget(model))
+    ws.offload(model, gpu_memory=streaming_all_budget(model), strategy="stream")
     torch._dynamo.utils.counters.clear()
     cref, cmodel = torch.compile(ref, fullgraph=True), torch.compile(model, fullgraph=True)
     with torch.no_grad():
@@ -109,7 +109,7 @@ def capture(fn, static_input):
 @pytest.mark.parametrize("compiled", [False, True])
 def test_manual_cuda_graph_replay_is_exact_and_self_contained(compiled, eager_rounding):
     ref, model = twins()
-    handle = ws.offload(model, gpu_memory=streaming_all_budget(model))
+    handle = ws.offload(model, gpu_memory=streaming_all_budget(model), strategy="stream")
     fref, fmodel = logits_fn(ref), logits_fn(model)
     if compiled:
         fref, fmodel = torch.compile(fref, fullgraph=True), torch.compile(fmodel, fullgraph=True)
@@ -136,7 +136,7 @@ def test_manual_cuda_graph_replay_is_exact_and_self_contained(compiled, eager_ro
 
 def test_reduce_overhead_is_exact(eager_rounding):
     ref, model = twins()
-    ws.offload(model, gpu_memory=streaming_all_budget(model))
+    ws.offload(model, gpu_memory=streaming_all_budget(model), strategy="stream")
     cref = torch.compile(ref, fullgraph=True, mode="reduce-overhead")
     cmodel = torch.compile(model, fullgraph=True, mode="reduce-overhead")
     with torch.no_grad():
@@ -153,7 +153,7 @@ def test_generate_same_tokens_and_restore():
         model(ids_for())  # cuBLAS allocates its workspace on the first matmul: keep it out of the count
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
-    handle = ws.offload(model, gpu_memory=streaming_all_budget(model))
+    handle = ws.offload(model, gpu_memory=streaming_all_budget(model), strategy="stream")
     kwargs = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
     assert torch.equal(model.generate(ids_for(1, 1), **kwargs), ref.generate(ids_for(1, 1), **kwargs))
     handle.restore()
@@ -167,8 +167,8 @@ def test_unexpected_orders_and_two_models_on_gpu():
     ref_a = Toy(n=6, dim=256).eval().requires_grad_(False).cuda()
     ref_b = Toy(n=6, dim=256).eval().requires_grad_(False).cuda()
     a, b = copy.deepcopy(ref_a), copy.deepcopy(ref_b)
-    ws.offload(a, gpu_memory=800_000)
-    ws.offload(b, gpu_memory=800_000)
+    ws.offload(a, gpu_memory=800_000, strategy="stream")
+    ws.offload(b, gpu_memory=800_000, strategy="stream")
     x = torch.randn(8, 256, device="cuda")
     with torch.no_grad(), pytest.warns(UserWarning, match="out of the planned order"):
         for order in ([0, 1, 2, 2, 3, 4, 5], [5, 3, 1], list(range(6)), [0, 0, 4]):
@@ -179,7 +179,7 @@ def test_unexpected_orders_and_two_models_on_gpu():
 
 def test_pageable_memory_works_eagerly_and_refuses_graph_capture():
     ref, model = twins()
-    handle = ws.offload(model, gpu_memory=streaming_all_budget(model), pin_memory=False)
+    handle = ws.offload(model, gpu_memory=streaming_all_budget(model), pin_memory=False, strategy="stream")
     assert handle.stats.pinned_bytes == 0
     with torch.no_grad():
         assert torch.equal(model(ids_for()).logits, ref(ids_for()).logits)

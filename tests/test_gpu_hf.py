@@ -30,7 +30,7 @@ def test_load_is_exact_and_never_puts_the_whole_model_on_the_gpu(folder):
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    model = ws.from_pretrained(folder, gpu_memory=total // 2, progress=False)
+    model = ws.from_pretrained(folder, gpu_memory=total // 2, progress=False, strategy="stream")
     stats = ws.handle_of(model).stats
     peak = torch.cuda.max_memory_allocated() - base
     assert stats.groups >= 2 and stats.pinned_bytes >= stats.streamed_bytes
@@ -63,9 +63,10 @@ def test_a_failure_mid_load_leaves_nothing_allocated(folder, monkeypatch):
 def test_disk_tier_on_the_gpu_is_exact_and_refuses_graph_capture(folder):
     reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval().cuda()
     budget = weight_bytes(reference) // 2
-    plain = ws.handle_of(ws.from_pretrained(folder, gpu_memory=budget, progress=False)).stats
+    load = dict(gpu_memory=budget, progress=False, strategy="stream")
+    plain = ws.handle_of(ws.from_pretrained(folder, **load)).stats
     group = plain.staging_bytes // plain.slots
-    model = ws.from_pretrained(folder, gpu_memory=budget, cpu_memory=3 * group + group // 2, progress=False)
+    model = ws.from_pretrained(folder, cpu_memory=3 * group + group // 2, **load)
     stats = ws.handle_of(model).stats
     assert 0 < stats.disk_bytes < stats.streamed_bytes
     with torch.no_grad():

@@ -26,15 +26,18 @@ def ids_for(seed=0, batch=2, length=9):
     return torch.randint(0, 128, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
+@pytest.mark.parametrize("strategy", ["stream", "uva", "auto"])
 @pytest.mark.parametrize("fraction", [0.35, 0.7])
 @pytest.mark.parametrize("arch", LOADABLE)
-def test_loaded_model_equals_transformers_own_load(tmp_path, arch, fraction):
+def test_loaded_model_equals_transformers_own_load(tmp_path, arch, fraction, strategy):
     folder = save(make_model(arch), tmp_path)
     assert len([f for f in os.listdir(folder) if f.endswith(".safetensors")]) > 1  # sharded
     reference = AutoModelForCausalLM.from_pretrained(folder).eval()
-    model = ws.from_pretrained(folder, gpu_memory=int(weight_bytes(reference) * fraction), device="cpu",
-                               progress=False)
-    assert ws.handle_of(model).stats.groups >= 1
+    budget = int(weight_bytes(reference) * fraction)
+    model = ws.from_pretrained(folder, gpu_memory=budget, device="cpu", progress=False, strategy=strategy)
+    stats = ws.handle_of(model).stats
+    assert stats.streamed_bytes + stats.uva_bytes > 0 and stats.strategy != "resident"
+    assert (strategy != "stream" or stats.groups >= 1) and (strategy != "uva" or stats.uva_bytes > 0)
     with torch.no_grad():
         assert torch.equal(model(ids_for()).logits, reference(ids_for()).logits)
     kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
@@ -76,7 +79,7 @@ def test_load_never_holds_more_than_one_shard_beyond_the_final_placement(tmp_pat
 
     sampler = threading.Thread(target=sample)
     sampler.start()
-    model = ws.from_pretrained(folder, gpu_memory=total // 3, device="cpu", progress=False)
+    model = ws.from_pretrained(folder, gpu_memory=total // 3, device="cpu", progress=False, strategy="stream")
     stop.set()
     sampler.join()
     final = _rss()
@@ -148,11 +151,11 @@ def test_disk_tier_is_exact_and_restores(tmp_path, arch):
     folder = save(make_model(arch), tmp_path)
     reference = AutoModelForCausalLM.from_pretrained(folder).eval()
     budget = int(weight_bytes(reference) * 0.4)
-    plain = ws.handle_of(ws.from_pretrained(folder, gpu_memory=budget, device="cpu", progress=False)).stats
+    load = dict(gpu_memory=budget, device="cpu", progress=False, strategy="stream")
+    plain = ws.handle_of(ws.from_pretrained(folder, **load)).stats
     group = plain.staging_bytes // plain.slots
     # two bounce buffers plus room for one and a half of the four streamed groups in host memory
-    model = ws.from_pretrained(folder, gpu_memory=budget, cpu_memory=3 * group + group // 2, device="cpu",
-                               progress=False)
+    model = ws.from_pretrained(folder, cpu_memory=3 * group + group // 2, **load)
     stats = ws.handle_of(model).stats
     assert 0 < stats.disk_bytes < stats.streamed_bytes  # some groups on disk, some in host memory
     with torch.no_grad():
@@ -168,10 +171,11 @@ def test_disk_tier_is_exact_and_restores(tmp_path, arch):
 def test_disk_tier_needs_room_for_its_bounce_buffers(tmp_path):
     folder = save(make_model("llama"), tmp_path)
     with pytest.raises(ws.BudgetError, match="bounce buffers"):
-        ws.from_pretrained(folder, gpu_memory="200KB", cpu_memory="10KB", device="cpu")
+        ws.from_pretrained(folder, gpu_memory="200KB", cpu_memory="10KB", device="cpu", strategy="stream")
 
 
 def test_disk_tier_refuses_a_dtype_change(tmp_path):
     folder = save(make_model("llama"), tmp_path)
     with pytest.raises(ws.CheckpointError, match="dtype='float32'"):
-        ws.from_pretrained(folder, gpu_memory="200KB", cpu_memory="150KB", dtype="bfloat16", device="cpu")
+        ws.from_pretrained(folder, gpu_memory="200KB", cpu_memory="150KB", dtype="bfloat16", device="cpu",
+                           strategy="stream")

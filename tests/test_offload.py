@@ -22,26 +22,29 @@ def budget_for(model, fraction: float) -> int:
     return int(weight_bytes(model) * fraction)
 
 
+@pytest.mark.parametrize("strategy", ["stream", "uva", "auto"])
 @pytest.mark.parametrize("fraction", [0.45, 0.75])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_eager_logits_are_bit_identical(twin, arch, fraction):
+def test_eager_logits_are_bit_identical(twin, arch, fraction, strategy):
     ref, model = twin(arch)
-    handle = ws.offload(model, gpu_memory=budget_for(model, fraction), device="cpu")
-    assert handle.stats.groups >= 1
+    handle = ws.offload(model, gpu_memory=budget_for(model, fraction), device="cpu", strategy=strategy)
     with torch.no_grad():
         for seed in range(2):
             ids = ids_for(seed)
             assert torch.equal(model(ids).logits, ref(ids).logits)
     stats = handle.stats
+    assert stats.strategy == strategy or strategy == "auto"
+    assert stats.streamed_bytes + stats.uva_bytes > 0
     assert stats.fetches == 0 and stats.copies == 2 * stats.groups  # the planned schedule ran, in order
-    assert stats.resident_bytes + stats.streamed_bytes == weight_bytes(ref)
-    assert stats.resident_bytes + stats.staging_bytes <= budget_for(ref, fraction)
+    assert stats.resident_bytes + stats.streamed_bytes + stats.uva_bytes == weight_bytes(ref)
+    assert handle.placement.gpu_bytes <= budget_for(ref, fraction)
 
 
+@pytest.mark.parametrize("strategy", ["stream", "uva"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_compiled_fullgraph_is_bit_identical_to_compiled_resident(twin, arch):
+def test_compiled_fullgraph_is_bit_identical_to_compiled_resident(twin, arch, strategy):
     ref, model = twin(arch)
-    handle = ws.offload(model, gpu_memory=budget_for(model, 0.5), device="cpu")
+    handle = ws.offload(model, gpu_memory=budget_for(model, 0.5), device="cpu", strategy=strategy)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     cref = torch.compile(ref, fullgraph=True)
@@ -59,7 +62,7 @@ def test_compiled_fullgraph_is_bit_identical_to_compiled_resident(twin, arch):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_generate_gives_the_same_tokens(twin, arch):
     ref, model = twin(arch)
-    ws.offload(model, gpu_memory=budget_for(model, 0.5), device="cpu")
+    ws.offload(model, gpu_memory=budget_for(model, 0.5), device="cpu", strategy="stream")
     ids = ids_for(1, batch=1)
     kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
     assert torch.equal(model.generate(ids, **kwargs), ref.generate(ids, **kwargs))
@@ -70,7 +73,7 @@ def test_restore_gives_back_the_original_state_bit_for_bit(twin, arch):
     ref, model = twin(arch)
     original = state_copy(model)
     classes = [type(m) for m in model.modules()]
-    handle = ws.offload(model, gpu_memory=budget_for(model, 0.4), device="cpu")
+    handle = ws.offload(model, gpu_memory=budget_for(model, 0.4), device="cpu", strategy="stream")
     with torch.no_grad():
         model(ids_for())
     assert handle.restore() is model
@@ -87,14 +90,14 @@ def test_restore_gives_back_the_original_state_bit_for_bit(twin, arch):
 def test_tied_embedding_is_stored_once(twin):
     ref, model = twin("gpt2")
     assert model.lm_head.weight is model.transformer.wte.weight
-    handle = ws.offload(model, gpu_memory=budget_for(model, 0.5), device="cpu")
+    handle = ws.offload(model, gpu_memory=budget_for(model, 0.5), device="cpu", strategy="stream")
     assert model.lm_head.weight is model.transformer.wte.weight
     assert handle.stats.resident_bytes + handle.stats.streamed_bytes == weight_bytes(ref)
 
 
 def test_streamed_parameters_are_fixed_views_into_the_slots(twin):
     _, model = twin("llama")
-    handle = ws.offload(model, gpu_memory=budget_for(model, 0.4), device="cpu")
+    handle = ws.offload(model, gpu_memory=budget_for(model, 0.4), device="cpu", strategy="stream")
     slots = {s.data_ptr(): s for s in handle._slots}
     layer = dict(model.named_modules())[handle.streamed_blocks[0]]
     for p in layer.parameters():
@@ -108,7 +111,7 @@ def test_streamed_parameters_are_fixed_views_into_the_slots(twin):
 
 def test_everything_resident_when_the_budget_allows(twin):
     ref, model = twin("llama")
-    handle = ws.offload(model, gpu_memory=weight_bytes(model), device="cpu")
+    handle = ws.offload(model, gpu_memory=weight_bytes(model), device="cpu", strategy="stream")
     assert handle.stats.groups == 0 and handle.stats.staging_bytes == 0
     with torch.no_grad():
         assert torch.equal(model(ids_for()).logits, ref(ids_for()).logits)
@@ -148,9 +151,11 @@ def toy_twin(seed: int = 0):
 
 
 def toy_streaming_all(model):
-    per_block = weight_bytes(model.layers[0]) - model.layers[0].cache.numel() * 4
-    fixed = weight_bytes(model) - per_block * len(model.layers)
-    return ws.offload(model, gpu_memory=fixed + 2 * 2048, device="cpu")
+    """Offload the toy with the smallest budget streaming allows (the fixed part and one slot), so
+    every block streams, through one slot."""
+    with pytest.raises(ws.BudgetError) as info:
+        ws.offload(model, gpu_memory=0, device="cpu", strategy="stream")
+    return ws.offload(model, gpu_memory=info.value.minimum_bytes, device="cpu", strategy="stream")
 
 
 @pytest.mark.parametrize(
@@ -229,10 +234,10 @@ def test_two_offloaded_models_in_one_process_are_independent():
 def test_budget_too_small_names_the_minimum():
     _, model = toy_twin()
     with pytest.raises(ws.BudgetError, match=r"at least .* \((\d+) bytes\)") as info:
-        ws.offload(model, gpu_memory=1000, device="cpu")
+        ws.offload(model, gpu_memory=1000, device="cpu", strategy="stream")
     minimum = info.value.minimum_bytes
     assert f"({minimum} bytes)" in str(info.value)
-    handle = ws.offload(model, gpu_memory=minimum, device="cpu")  # the stated minimum works
+    handle = ws.offload(model, gpu_memory=minimum, device="cpu", strategy="stream")  # the minimum works
     assert handle.stats.slots == 1
 
 

@@ -1,61 +1,108 @@
+"""The planner: budget, placement, monotonicity, strategy choice. Pure logic: property tests."""
+
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from weightstream.cost import ModelCost
 from weightstream.errors import BudgetError
-from weightstream.plan import plan_placement, spread
+from weightstream.plan import plan, spread
+from weightstream.probe import H200
 
-blocks_st = st.lists(st.integers(min_value=1, max_value=10**6), min_size=1, max_size=24)
+blocks_st = st.lists(st.integers(min_value=1, max_value=10**8), min_size=1, max_size=12)
+model_st = st.builds(
+    lambda fixed, blocks, pad: ModelCost(fixed, fixed // 2, tuple(blocks), tuple(b + pad for b in blocks)),
+    st.integers(0, 10**8), blocks_st, st.integers(0, 4096))
+tokens_st = st.sampled_from([1, 16, 512, 2048])
+strategy_st = st.sampled_from(["auto", "stream", "uva"])
 
 
-@given(fixed=st.integers(0, 10**6), blocks=blocks_st, budget=st.integers(0, 3 * 10**7))
-def test_placement_respects_budget_and_places_each_block_once(fixed, blocks, budget):
+@settings(max_examples=200, deadline=None)
+@given(model=model_st, budget=st.integers(0, 2 * 10**9), tokens=tokens_st, strategy=strategy_st)
+def test_placement_respects_budget_and_places_each_block_once(model, budget, tokens, strategy):
     try:
-        p = plan_placement(fixed, blocks, budget)
-    except BudgetError:
-        assert budget < fixed + max(blocks)  # only fails below the stated minimum
+        p = plan(model, budget, tokens, H200, strategy)
+    except BudgetError as err:
+        assert budget < err.minimum_bytes
         return
+    sizes = model.block_bytes
     assert p.gpu_bytes <= budget
-    assert len(set(p.streamed)) == len(p.streamed) and all(0 <= i < len(blocks) for i in p.streamed)
-    resident = [b for i, b in enumerate(blocks) if i not in p.streamed]
-    assert p.resident_bytes == fixed + sum(resident)
-    assert p.resident_bytes + p.streamed_bytes == fixed + sum(blocks)
+    assert not set(p.streamed) & set(p.uva)
+    assert len(set(p.streamed)) == len(p.streamed) and len(set(p.uva)) == len(p.uva)
+    assert all(0 <= i < len(sizes) for i in p.streamed + p.uva)
+    resident = [b for i, b in enumerate(sizes) if i not in p.streamed and i not in p.uva]
+    assert p.resident_bytes == model.fixed_bytes + sum(resident)
+    assert p.resident_bytes + p.streamed_bytes == model.fixed_bytes + sum(sizes)
+    assert p.uva_bytes == sum(sizes[i] for i in p.uva)
+    if strategy == "stream":
+        assert not p.uva
+    if strategy == "uva":
+        assert not p.streamed and p.n_slots == 0
     if p.streamed:
-        assert p.slot_bytes == max(blocks[i] for i in p.streamed)
+        assert p.slot_bytes == max(model.staging(i) for i in p.streamed)
         assert 1 <= p.n_slots <= min(2, len(p.streamed))
-    else:
-        assert p.n_slots == 0
 
 
-@given(fixed=st.integers(0, 10**6), blocks=blocks_st, budget=st.integers(0, 3 * 10**7),
-       extra=st.integers(0, 10**7))
-def test_more_budget_never_streams_more(fixed, blocks, budget, extra):
+@settings(max_examples=200, deadline=None)
+@given(model=model_st, budget=st.integers(0, 2 * 10**9), extra=st.integers(0, 10**9), tokens=tokens_st,
+       strategy=strategy_st)
+def test_more_budget_never_predicts_slower(model, budget, extra, tokens, strategy):
     try:
-        small = plan_placement(fixed, blocks, budget)
+        small = plan(model, budget, tokens, H200, strategy)
     except BudgetError:
         return
-    large = plan_placement(fixed, blocks, budget + extra)
-    assert large.streamed_bytes <= small.streamed_bytes
+    large = plan(model, budget + extra, tokens, H200, strategy)
+    assert large.prediction.ms <= small.prediction.ms
 
 
-def test_everything_fits_means_nothing_streams():
-    p = plan_placement(100, [10, 10, 10], 130)
-    assert p.streamed == () and p.gpu_bytes == 130
+@settings(max_examples=100, deadline=None)
+@given(model=model_st, budget=st.integers(0, 2 * 10**9), tokens=tokens_st)
+def test_auto_is_never_predicted_slower_than_either_strategy(model, budget, tokens):
+    for strategy in ("stream", "uva"):
+        try:
+            other = plan(model, budget, tokens, H200, strategy)
+        except BudgetError:
+            continue
+        assert plan(model, budget, tokens, H200, "auto").prediction.ms <= other.prediction.ms
 
 
-def test_two_slots_first_with_the_fewest_streamed_blocks_spread_out():
-    p = plan_placement(0, [10] * 8, 70)
-    assert (p.n_slots, p.streamed) == (2, spread(8, 3)) and p.streamed == (1, 4, 6)
-    p = plan_placement(0, [10] * 8, 20)
-    assert (p.n_slots, len(p.streamed)) == (2, 8)
-    p = plan_placement(0, [10] * 8, 19)  # one slot only when two do not fit
-    assert (p.n_slots, len(p.streamed)) == (1, 8)
+LLAMA_8B = ModelCost(fixed_bytes=2_101_346_304, head_bytes=1_050_673_152, block_bytes=(436_224_000,) * 32)
+
+
+def test_everything_fits_means_nothing_moves():
+    p = plan(LLAMA_8B, 17 * 10**9)
+    assert p.streamed == p.uva == () and p.strategy == "resident"
+
+
+def test_decode_at_a_small_budget_streams_and_prefill_too():
+    budget = LLAMA_8B.fixed_bytes + 2 * 436_224_000
+    decode = plan(LLAMA_8B, budget, tokens=1)
+    assert decode.strategy == "stream" and decode.prediction.bound == "link"
+    # at decode compute is tiny: one block fewer on the link beats overlapping copy with compute
+    assert (len(decode.streamed), decode.n_slots) == (31, 1)
+    prefill = plan(LLAMA_8B, budget, tokens=2048)
+    # at 2048 tokens a block computes ~2 ms: two slots overlap it with the copies; zero copy re-reads
+    # the weights per tile and would be ~8x slower
+    assert prefill.strategy == "stream" and (len(prefill.streamed), prefill.n_slots) == (32, 2)
+
+
+def test_zero_copy_wins_when_two_slots_cost_more_than_they_save():
+    # budget one block short of resident: streaming needs two slots and so evicts three blocks;
+    # zero copy evicts one block and needs no staging
+    budget = LLAMA_8B.fixed_bytes + 31 * 436_224_000
+    p = plan(LLAMA_8B, budget, tokens=1)
+    assert p.strategy == "uva" and len(p.uva) == 1
 
 
 def test_budget_error_names_the_minimum():
-    with pytest.raises(BudgetError, match="at least .*1100 bytes"):
-        plan_placement(1000, [100, 100], 1099)
-    assert plan_placement(1000, [100, 100], 1100).n_slots == 1
+    model = ModelCost(1000, 500, (100, 100))
+    with pytest.raises(BudgetError, match=r"at least .*\(1100 bytes\)"):
+        plan(model, 1099, strategy="stream")
+    assert plan(model, 1100, strategy="stream").n_slots == 1
+    with pytest.raises(BudgetError, match=r"\(1000 bytes\)"):
+        plan(model, 999)  # zero copy needs no staging: the fixed part alone
+    with pytest.raises(ValueError, match="strategy"):
+        plan(model, 10**6, strategy="fast")
 
 
 @given(n=st.integers(1, 64), data=st.data())

@@ -178,6 +178,8 @@ def from_pretrained(
     dtype: torch.dtype | str | None = None,
     device: str | torch.device | None = None,
     pin_memory: bool = True,
+    strategy: str = "auto",
+    tokens: int = 1,
     progress: bool = True,
 ) -> nn.Module:
     """Load the causal LM in the local folder `path` so its weights take at most `gpu_memory`.
@@ -189,19 +191,28 @@ def from_pretrained(
         bounce buffers (counted in cpu_memory); that disk tier needs the checkpoint's dtype and cannot
         be captured in CUDA graphs.
     dtype: the model's dtype (default: the config's).
+    strategy, tokens: as for `offload` ("auto", "stream" or "uva"; tokens per forward to plan for).
     Returns the model, offloaded; `weightstream.handle_of(model)` gives its handle. On any error
     nothing stays allocated.
     """
     folder = checkpoint_folder(path)
     model = _build_model(folder, getattr(torch, dtype) if isinstance(dtype, str) else dtype)
     stored = read_index(folder)
-    prep = prepare(model, gpu_memory, device, allow_meta=True)
+    prep = prepare(model, gpu_memory, device, allow_meta=True, strategy=strategy, tokens=tokens,
+                   pin_memory=pin_memory)
     pairs = _match(model, prep.entries, stored, folder)
-    host_limit = None if cpu_memory is None else parse_size(cpu_memory)
+    host_limit = None if cpu_memory is None else parse_size(cpu_memory) - sum(prep.uva_group_bytes)
+    if host_limit is not None and host_limit < 0:
+        raise BudgetError(
+            f"cpu_memory={format_size(parse_size(cpu_memory))} cannot hold the zero-copy blocks "
+            f"({format_size(sum(prep.uva_group_bytes))}), which must be in host memory: give more "
+            "cpu_memory or strategy='stream'",
+            sum(prep.uva_group_bytes),
+        )
     on_disk, _ = choose_disk_groups(prep.group_bytes, host_limit)
     disk = _disk_tier(prep, pairs, on_disk, folder) if on_disk else None
     pin = pin_memory and prep.device.type == "cuda"
-    arena = HostArena([0 if g in on_disk else b for g, b in enumerate(prep.group_bytes)], pin=pin)
+    arena = HostArena([0 if g in on_disk else b for g, b in enumerate(prep.host_group_bytes)], pin=pin)
     try:
         places = final_places(prep, arena, keep_on_device=True, disk_groups=on_disk)
         _fill([p for p in pairs if id(p[0]) in places], places, progress)

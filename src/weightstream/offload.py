@@ -16,14 +16,17 @@ from torch import nn
 
 from . import ops
 from .blocks import find_blocks
+from .cost import ModelCost
 from .disk import DiskTier
 from .errors import OffloadStateError, WeightstreamError
 from .host import HostArena
 from .layout import Slice, pack
-from .plan import Placement, plan_placement
+from .plan import Placement, plan
+from .probe import load_profile
 from .schedule import Schedule
 from .sizes import format_size, parse_size
 from .transfer import CudaTransfer, SyncTransfer
+from .uva import uva_view
 
 _HANDLE_ATTR = "_weightstream_handle"
 
@@ -62,6 +65,7 @@ class OffloadStats:
     device: str
     resident_bytes: int
     streamed_bytes: int
+    uva_bytes: int
     staging_bytes: int
     pinned_bytes: int
     disk_bytes: int
@@ -69,14 +73,17 @@ class OffloadStats:
     slots: int
     copies: int
     fetches: int
+    strategy: str
+    predicted_ms: float | None
 
     def __str__(self) -> str:
         return (
             f"device {self.device}: resident {format_size(self.resident_bytes)}, "
             f"streamed {format_size(self.streamed_bytes)} in {self.groups} groups, "
+            f"zero copy {format_size(self.uva_bytes)}, "
             f"staging {format_size(self.staging_bytes)} in {self.slots} slots, "
             f"pinned {format_size(self.pinned_bytes)}, read from disk {format_size(self.disk_bytes)}; "
-            f"{self.copies} async copies, {self.fetches} sync fetches"
+            f"{self.copies} async copies, {self.fetches} sync fetches; strategy {self.strategy}"
         )
 
 
@@ -183,8 +190,10 @@ class OffloadHandle:
         slots: list[torch.Tensor],
         disk: DiskTier | None = None,
         pin: bool = True,
+        uva_groups: list[list[tuple[Entry, Slice]]] | None = None,
     ) -> None:
         self.model = model
+        self._uva_groups = uva_groups or []
         self.device = device
         self.placement = placement
         self.streamed_blocks = [block_names[i] for i in placement.streamed]
@@ -235,10 +244,13 @@ class OffloadHandle:
     def stats(self) -> OffloadStats:
         """Bytes resident, streamed, staged and pinned; groups, slots and copy counts."""
         p = self.placement
+        streamed = sum(e.nbytes for g in self._groups for e, _ in g)
+        uva = sum(e.nbytes for g in self._uva_groups for e, _ in g)
         return OffloadStats(
             device=str(self.device),
-            resident_bytes=p.resident_bytes,
-            streamed_bytes=sum(e.nbytes for g in self._groups for e, _ in g),
+            resident_bytes=sum(e.nbytes for e in self._entries) - streamed - uva,
+            streamed_bytes=streamed,
+            uva_bytes=uva,
             staging_bytes=p.staging_bytes,
             pinned_bytes=self._arena.pinned_bytes + self._transfer.extra_pinned_bytes,
             disk_bytes=self._transfer.disk.nbytes if self._transfer.disk is not None else 0,
@@ -246,6 +258,8 @@ class OffloadHandle:
             slots=p.n_slots,
             copies=self._schedule.copies,
             fetches=self._schedule.fetches,
+            strategy=p.strategy,
+            predicted_ms=p.prediction.ms if p.prediction else None,
         )
 
     def restore(self, device: str | torch.device | None = None) -> nn.Module:
@@ -264,18 +278,18 @@ class OffloadHandle:
             del module._apply
         object.__delattr__(self.model, _HANDLE_ATTR)
         self._transfer.close()
-        for g, group in enumerate(self._groups):
+        for g, group in enumerate(self._groups + self._uva_groups):
             region = self._arena.region(g)
-            if self._transfer.on_disk(g):
+            if g < len(self._groups) and self._transfer.on_disk(g):
                 region = torch.empty(self._transfer.disk.group_bytes[g], dtype=torch.uint8)
                 self._transfer.disk.read_group(g, region)
             for entry, sl in group:
                 raw = region[sl.offset : sl.offset + sl.nbytes]
                 value = entry.view_of(raw).to(target, copy=True)
                 _set_tensor(entry, value)
-        streamed = {id(e) for g in self._groups for e, _ in g}
+        off_device = {id(e) for g in self._groups + self._uva_groups for e, _ in g}
         for entry in self._entries:
-            if id(entry) not in streamed and entry.tensor.device != target:
+            if id(entry) not in off_device and entry.tensor.device != target:
                 _set_tensor(entry, entry.tensor.to(target))
         self._slots.clear()
         self._arena.close()
@@ -378,8 +392,27 @@ class Prepared:
     block_modules: list[nn.Module]
     entries: list[Entry]
     placement: Placement
-    groups: list[list[tuple[Entry, Slice]]]
+    groups: list[list[tuple[Entry, Slice]]]  # streamed groups, in forward order
     group_bytes: list[int]
+    uva_groups: list[list[tuple[Entry, Slice]]]  # zero-copy blocks
+    uva_group_bytes: list[int]
+
+    @property
+    def host_groups(self) -> list[list[tuple[Entry, Slice]]]:
+        """Every group whose bytes live in the host arena: streamed ones, then zero-copy ones."""
+        return self.groups + self.uva_groups
+
+    @property
+    def host_group_bytes(self) -> list[int]:
+        return self.group_bytes + self.uva_group_bytes
+
+
+def model_cost(entries: list[Entry], per_block: list[list[Entry]], slot_bytes: list[int]) -> ModelCost:
+    """The cost model's view of a model: fixed bytes, LM head bytes, each block's streamable bytes and
+    staging footprint."""
+    outside = [e.nbytes for e in entries if e.owner is None]
+    block_bytes = tuple(sum(e.nbytes for e in group) for group in per_block)
+    return ModelCost(sum(outside), max(outside, default=0), block_bytes, tuple(slot_bytes))
 
 
 def prepare(
@@ -388,11 +421,15 @@ def prepare(
     device: str | torch.device | None = None,
     blocks: list[str] | None = None,
     allow_meta: bool = False,
+    strategy: str = "auto",
+    tokens: int = 1,
+    pin_memory: bool = True,
 ) -> Prepared:
-    """Check the model and decide what stays on `device` and what streams; moves nothing yet.
+    """Check the model and plan what stays on `device`, what streams and what is read in place
+    (zero copy); moves nothing yet.
 
     allow_meta: accept parameters on the meta device (a model built empty, to be filled from a
-    checkpoint straight into its final places).
+    checkpoint straight into its final places). strategy, tokens: see `offload`.
     """
     budget = parse_size(gpu_memory)
     device = _resolve_device(device)
@@ -408,12 +445,21 @@ def prepare(
         if entry.owner is not None:
             per_block[entry.owner].append(entry)
     layouts = [pack([e.nbytes for e in group]) for group in per_block]
-    fixed = sum(e.nbytes for e in entries if e.owner is None)
-    placement = plan_placement(fixed, [size for _, size in layouts], budget)
-    groups = [list(zip(per_block[i], layouts[i][0], strict=True)) for i in placement.streamed]
-    group_bytes = [layouts[i][1] for i in placement.streamed]
+    if tokens < 1:
+        raise ValueError(f"tokens={tokens}: give the tokens per forward to optimize for, at least 1")
+    if strategy == "uva" and device.type == "cuda" and not pin_memory:
+        raise ValueError("strategy='uva' reads pinned host memory in place: it needs pin_memory=True")
+    cost = model_cost(entries, per_block, [size for _, size in layouts])
+    placement = plan(cost, budget, tokens, load_profile(device), strategy)
+
+    def grouped(indices):
+        return [list(zip(per_block[i], layouts[i][0], strict=True)) for i in indices], [
+            layouts[i][1] for i in indices]
+
+    groups, group_bytes = grouped(placement.streamed)
+    uva_groups, uva_group_bytes = grouped(placement.uva)
     return Prepared(model, device, [b.name for b in found], block_modules, entries, placement, groups,
-                    group_bytes)
+                    group_bytes, uva_groups, uva_group_bytes)
 
 
 def final_places(
@@ -423,15 +469,15 @@ def final_places(
     tensor, a tensor on the device for a resident one (the entry's own when `keep_on_device` and it is
     already there, else a new empty one). Entries of `disk_groups` have none: they stay in their files."""
     places: dict[int, torch.Tensor] = {}
-    for g, group in enumerate(prep.groups):
+    for g, group in enumerate(prep.host_groups):
         if g in disk_groups:
             continue
         region = arena.region(g)
         for entry, sl in group:
             places[id(entry)] = entry.view_of(region[sl.offset : sl.offset + sl.nbytes])
-    streamed = {id(e) for group in prep.groups for e, _ in group}
+    off_device = {id(e) for group in prep.host_groups for e, _ in group}
     for entry in prep.entries:
-        if id(entry) in streamed:
+        if id(entry) in off_device:
             continue
         if keep_on_device and entry.tensor.device == prep.device:
             places[id(entry)] = entry.tensor.detach()
@@ -455,6 +501,12 @@ def finish(
     for entry in prep.entries:
         if id(entry) not in streamed:
             _set_tensor(entry, places[id(entry)])
+    for j, group in enumerate(prep.uva_groups):  # zero copy: the device reads the arena in place
+        region = arena.region(len(prep.groups) + j)
+        if prep.device.type == "cuda":
+            region = uva_view(region, prep.device)
+        for entry, sl in group:
+            _set_tensor(entry, entry.view_of(region[sl.offset : sl.offset + sl.nbytes]))
     slots = [
         torch.empty(placement.slot_bytes, dtype=torch.uint8, device=prep.device)
         for _ in range(placement.n_slots)
@@ -466,7 +518,7 @@ def finish(
 
     handle = OffloadHandle(
         prep.model, prep.device, placement, prep.block_names, prep.entries, prep.groups, arena, slots,
-        disk, pin,
+        disk, pin, prep.uva_groups,
     )
     _install_schedule(handle, prep.block_modules)
     for module in prep.model.modules():
@@ -486,6 +538,8 @@ def offload(
     device: str | torch.device | None = None,
     pin_memory: bool = True,
     blocks: list[str] | None = None,
+    strategy: str = "auto",
+    tokens: int = 1,
 ) -> OffloadHandle:
     """Offload `model` in place so its weights take at most `gpu_memory` on `device`; return the handle.
 
@@ -497,13 +551,18 @@ def offload(
         pageable memory: about 9x slower, no CUDA graph capture.
     blocks: qualified names of the block lists to stream (e.g. ["model.layers"]); found automatically
         by default.
+    strategy: "auto" (default: what the cost model predicts fastest), "stream" (copy blocks into
+        staging slots ahead of use) or "uva" (kernels read blocks in place from pinned host memory,
+        no staging memory).
+    tokens: tokens per forward to plan for (1 = batch-1 decode; 2048 for such a prefill).
     """
-    prep = prepare(model, gpu_memory, device, blocks)
+    prep = prepare(model, gpu_memory, device, blocks, strategy=strategy, tokens=tokens,
+                   pin_memory=pin_memory)
     pin = pin_memory and prep.device.type == "cuda"
-    arena = HostArena(prep.group_bytes, pin=pin)
+    arena = HostArena(prep.host_group_bytes, pin=pin)
     places = final_places(prep, arena, keep_on_device=True)
-    streamed = {id(e) for group in prep.groups for e, _ in group}
-    # Streamed tensors first, each old storage dropped at once, so a model already on the GPU never
+    streamed = {id(e) for group in prep.host_groups for e, _ in group}
+    # Off-device tensors first, each old storage dropped at once, so a model already on the GPU never
     # holds more than it did before; then the resident ones that must move to the device.
     for entry in sorted(prep.entries, key=lambda e: id(e) not in streamed):
         target = places[id(entry)]

@@ -1,24 +1,32 @@
-"""Placement: which blocks stay on the GPU and which stream through staging slots. Pure logic, no CUDA.
+"""The planner: from a GPU memory budget to the fastest placement the cost model knows. Pure logic.
 
-The rule for now: keep as many blocks resident as fit under the budget (the staging slots counted),
-stream the rest, spread evenly through the model so each streamed copy can hide behind the resident
-blocks computed while it is in flight.
+Each block is resident, streamed through staging slots, or read in place from pinned host memory
+(zero copy, "uva"). Candidates: k blocks streamed, spread evenly through the model so copies hide
+behind the resident blocks between them, with two slots (one computes while the next copies) or one;
+k blocks zero copy (no staging memory, so more stays resident); and mixes of the two. The planner
+keeps the candidates that fit the budget, staging included, and returns the one the cost model
+predicts fastest for the given tokens per forward. A larger budget only adds candidates, so it never
+predicts slower.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .cost import ModelCost, Prediction, predict
 from .errors import BudgetError
+from .probe import MachineProfile
 from .sizes import format_size
+
+STRATEGIES = ("auto", "stream", "uva")
 
 
 @dataclass(frozen=True)
 class Placement:
-    """A placement of a model's weights on the GPU. All sizes are in bytes.
+    """A placement of a model's weights. Sizes in bytes.
 
-    `streamed` lists the indices of the streamed blocks in forward order; each streamed block is one
-    group, and group i (its position in `streamed`) is staged in slot i % n_slots.
+    `streamed` lists the streamed blocks in forward order; each is one group, and group i (its
+    position in `streamed`) is staged in slot i % n_slots. `uva` lists the zero-copy blocks.
     """
 
     streamed: tuple[int, ...]
@@ -26,6 +34,9 @@ class Placement:
     slot_bytes: int
     resident_bytes: int
     streamed_bytes: int
+    uva: tuple[int, ...] = ()
+    uva_bytes: int = 0
+    prediction: Prediction | None = None
 
     @property
     def staging_bytes(self) -> int:
@@ -37,36 +48,76 @@ class Placement:
         """GPU bytes of weights: resident tensors plus staging slots."""
         return self.resident_bytes + self.staging_bytes
 
+    @property
+    def strategy(self) -> str:
+        """"resident", "stream", "uva" or "mix": what the placement does with the blocks off the GPU."""
+        return {(False, False): "resident", (True, False): "stream", (False, True): "uva"}.get(
+            (bool(self.streamed), bool(self.uva)), "mix")
+
 
 def spread(n: int, k: int) -> tuple[int, ...]:
     """Return k of the indices 0..n-1, evenly spread (k=n gives all of them)."""
     return tuple(sorted({(2 * i + 1) * n // (2 * k) for i in range(k)}))
 
 
-def plan_placement(fixed_bytes: int, block_bytes: list[int], budget: int, max_slots: int = 2) -> Placement:
-    """Choose the fewest streamed blocks that make the weights fit in `budget` bytes of GPU memory.
+def _candidates(n: int, strategy: str, max_slots: int):
+    """(streamed, uva, n_slots) triples of block indices for `strategy`."""
+    yield (), (), 0  # everything resident
+    for k in range(1, n + 1):
+        off = spread(n, k)
+        if strategy in ("auto", "uva"):
+            yield (), off, 0
+        if strategy == "uva":
+            continue
+        splits = range(k) if strategy == "auto" else [0]  # u of the k off-GPU blocks read in place
+        for u in splits:
+            in_place = tuple(off[i] for i in spread(k, u)) if u else ()
+            streamed = tuple(b for b in off if b not in in_place)
+            for n_slots in range(min(max_slots, len(streamed)), 0, -1):
+                yield streamed, in_place, n_slots
 
-    `fixed_bytes` must stay resident whatever happens (everything outside the blocks); `block_bytes`
-    is each block's streamable size (its staging footprint, alignment included). Two slots let one
-    group compute while the next one copies, so they come first; one slot, which serializes copy and
-    compute, is the last resort for budgets too small for two.
+
+def plan(
+    model: ModelCost,
+    budget: int,
+    tokens: int = 1,
+    profile: MachineProfile | None = None,
+    strategy: str = "auto",
+    max_slots: int = 2,
+) -> Placement:
+    """The fastest placement of `model` whose weights fit in `budget` bytes of GPU memory.
+
+    tokens: tokens per forward to optimize for (1 for batch-1 decode, 2048 for such a prefill).
+    strategy: "stream" (resident or streamed blocks), "uva" (resident or zero-copy blocks) or "auto"
+        (either, or a mix, whichever the cost model predicts fastest).
     """
-    n = len(block_bytes)
-    total = fixed_bytes + sum(block_bytes)
-    for slots_wanted in (max_slots, 1):
-        for k in range(n + 1):
-            streamed = spread(n, k)
-            resident = fixed_bytes + sum(b for i, b in enumerate(block_bytes) if i not in streamed)
-            slot = max((block_bytes[i] for i in streamed), default=0)
-            n_slots = min(slots_wanted, k)
-            if resident + n_slots * slot <= budget:
-                return Placement(streamed, n_slots, slot, resident, total - resident)
-    minimum = fixed_bytes + (max(block_bytes) if block_bytes else 0)
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy={strategy!r}: choose one of {', '.join(STRATEGIES)}")
+    if profile is None:
+        from .probe import H200 as profile
+    n, sizes = len(model.block_bytes), model.block_bytes
+    total = model.fixed_bytes + sum(sizes)
+    best: Placement | None = None
+    for streamed, uva, n_slots in _candidates(n, strategy, max_slots):
+        off = set(streamed) | set(uva)
+        resident = model.fixed_bytes + sum(b for i, b in enumerate(sizes) if i not in off)
+        slot = max((model.staging(i) for i in streamed), default=0)
+        if resident + n_slots * slot > budget:
+            continue
+        prediction = predict(model, streamed, n_slots, uva, tokens, profile)
+        if best is None or prediction.ms < best.prediction.ms:
+            uva_bytes = sum(sizes[i] for i in uva)
+            best = Placement(streamed, n_slots, slot, resident, total - resident, uva, uva_bytes, prediction)
+    if best is not None:
+        return best
+    largest = max((model.staging(i) for i in range(n)), default=0)
+    minimum = model.fixed_bytes + (0 if strategy != "stream" else largest)
     raise BudgetError(
         f"gpu_memory={format_size(budget)} cannot hold the weights that must stay on the GPU "
-        f"({format_size(fixed_bytes)} outside the repeated blocks) plus one staging slot "
-        f"({format_size(max(block_bytes, default=0))}): give at least {format_size(minimum)} "
-        f"({minimum} bytes); two slots, which overlap copies with compute, need "
-        f"{fixed_bytes + 2 * max(block_bytes, default=0)} bytes",
+        f"({format_size(model.fixed_bytes)} outside the repeated blocks)"
+        + (f" plus one staging slot ({format_size(largest)})" if strategy == "stream" else "")
+        + f": give at least {format_size(minimum)} ({minimum} bytes)"
+        + (f"; two slots, which overlap copies with compute, need {model.fixed_bytes + 2 * largest} bytes"
+           if strategy == "stream" else ""),
         minimum,
     )

@@ -1,0 +1,83 @@
+"""The cost model: predicted time of one forward for a placement. Pure logic, no CUDA.
+
+Blocks run in order on the compute stream. A resident block costs its GEMM time at the given tokens per
+forward; a zero-copy (uva) block costs the same GEMMs reading their weights over the link; a streamed
+block cannot start before its group's copy has landed, and each copy waits for the copy stream and for
+its slot to be released (the schedule of `schedule.py`, simulated with two clocks). Zero-copy reads
+and copies share the one link, so they never overlap each other. The LM head runs last. Rates come
+from a `MachineProfile` (`probe.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .probe import MachineProfile
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    """What the cost model needs to know of a model, in bytes."""
+
+    fixed_bytes: int  # everything outside the blocks (always resident)
+    head_bytes: int  # the largest weight outside the blocks: the LM head GEMM dominates that part
+    block_bytes: tuple[int, ...]  # each block's streamable bytes, in forward order
+    slot_bytes: tuple[int, ...] = ()  # each block's staging footprint (aligned layout); default: its bytes
+
+    def staging(self, block: int) -> int:
+        """Bytes a slot needs to stage `block`."""
+        return self.slot_bytes[block] if self.slot_bytes else self.block_bytes[block]
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Predicted milliseconds of one forward, and what bounds it."""
+
+    ms: float
+    compute_ms: float  # every block and the head computed with resident weights
+    link_ms: float  # bytes over the link: copies plus zero-copy reads
+    bound: str  # "link" or "compute"
+
+
+def predict(
+    model: ModelCost,
+    streamed: tuple[int, ...],
+    n_slots: int,
+    uva: tuple[int, ...],
+    tokens: int,
+    profile: MachineProfile,
+) -> Prediction:
+    """Predict one forward of `tokens` tokens with blocks `streamed` (through `n_slots` slots) and
+    `uva` (zero copy), the rest resident."""
+    group_of = {block: g for g, block in enumerate(streamed)}
+    uva_set = set(uva)
+    done: dict[int, float] = {}  # group -> time its copy has landed
+    compute = copy = 0.0
+    link = 0.0
+
+    def start_copy(group: int, not_before: float) -> None:
+        nonlocal copy, link
+        seconds = profile.copy_seconds(model.block_bytes[streamed[group]])
+        copy = max(copy, not_before) + seconds
+        link += seconds
+        done[group] = copy
+
+    for block, nbytes in enumerate(model.block_bytes):
+        if block in uva_set:  # reads its weights over the link: the link is busy, copies wait
+            seconds = profile.uva_seconds(nbytes, tokens)
+            compute = copy = max(compute, copy) + seconds
+            link += seconds
+            continue
+        g = group_of.get(block)
+        if g == 0:
+            for first in range(min(n_slots, len(streamed))):
+                start_copy(first, compute)  # the prologue, issued when the forward reaches group 0
+        if g is not None:
+            compute = max(compute, done[g])
+        compute += profile.resident_seconds(nbytes, tokens)
+        if g is not None and g + n_slots < len(streamed):
+            start_copy(g + n_slots, compute)  # released: the next group of this slot
+    compute += profile.resident_seconds(model.head_bytes, tokens)
+    resident = sum(profile.resident_seconds(b, tokens) for b in model.block_bytes)
+    resident += profile.resident_seconds(model.head_bytes, tokens)
+    return Prediction(compute * 1e3, resident * 1e3, link * 1e3, "link" if link >= resident else "compute")

@@ -1,0 +1,42 @@
+"""The cost model against hand-computed schedules."""
+
+import pytest
+
+from weightstream.cost import ModelCost, predict
+from weightstream.probe import MachineProfile
+
+# 1 byte/s copies; resident GEMMs 0.1 s/byte; zero copy 2 s/byte: easy arithmetic
+PROFILE = MachineProfile("test", copy_s_per_byte=1.0, resident={1: 0.1, 2048: 0.1}, uva={1: 2.0, 2048: 2.0})
+MODEL = ModelCost(fixed_bytes=0, head_bytes=0, block_bytes=(10, 10, 10, 10))
+
+
+def test_all_resident_is_the_sum_of_compute():
+    p = predict(MODEL, (), 0, (), 1, PROFILE)
+    assert p.ms == pytest.approx(4 * 1.0 * 1e3) and p.bound == "compute" and p.link_ms == 0
+
+
+def test_streaming_everything_through_two_slots_is_link_bound():
+    # copies of 10 s back to back; each block computes 1 s after its copy lands; the last lands at 40
+    p = predict(MODEL, (0, 1, 2, 3), 2, (), 1, PROFILE)
+    assert p.ms == pytest.approx(41 * 1e3) and p.bound == "link" and p.link_ms == pytest.approx(40e3)
+
+
+def test_one_slot_serializes_copy_and_compute():
+    # copy 10, compute 1, then the next copy starts: 4 x 11
+    assert predict(MODEL, (0, 1, 2, 3), 1, (), 1, PROFILE).ms == pytest.approx(44e3)
+
+
+def test_resident_blocks_between_streamed_ones_hide_copies():
+    # stream blocks 1 and 3 with one slot: prologue copy of 1 starts after block 0 (t=1), lands at 11;
+    # block 1 computes to 12, releases, copy of 3 lands at 22; block 2 computes 12..13; block 3: 22..23
+    assert predict(MODEL, (1, 3), 1, (), 1, PROFILE).ms == pytest.approx(23e3)
+
+
+def test_zero_copy_blocks_read_over_the_link():
+    assert predict(MODEL, (), 0, (0, 1), 1, PROFILE).ms == pytest.approx((2 * 20 + 2 * 1) * 1e3)
+
+
+def test_interpolation_between_measured_token_counts():
+    profile = MachineProfile("t", 1.0, resident={1: 1.0, 100: 2.0}, uva={1: 1.0, 100: 1.0})
+    assert profile.resident_seconds(1, 10) == pytest.approx(1.5)  # halfway in log(tokens)
+    assert profile.resident_seconds(1, 400) == pytest.approx(8.0)  # beyond: grows with tokens
