@@ -425,7 +425,9 @@ def prepare_stream(b: Bench) -> tuple[dict, Callable[[], dict]]:
     budget = stream_budget(b.model)
     before = allocated(b.device)
     t0 = time.perf_counter()
-    handle = ws.offload(b.model, gpu_memory=budget["budget_bytes"], device=b.device)
+    # strategy "stream", planned for a 2048-token forward: every layer through two slots
+    handle = ws.offload(b.model, gpu_memory=budget["budget_bytes"], device=b.device, strategy="stream",
+                        tokens=2048)
     offload_s = time.perf_counter() - t0
     stats = handle.stats
     n_layers = len(decoder_layers(b.model))

@@ -25,6 +25,15 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     gen.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     gen.add_argument("--dtype", default=None, help="e.g. bfloat16 (default: the checkpoint's)")
+    probe = sub.add_parser("probe", help="measure this GPU's link and GEMM rates for the planner (cached)")
+    probe.add_argument("--refresh", action="store_true", help="measure again even if cached")
+    plan = sub.add_parser("plan", help="show where a model's weights would go under a budget")
+    plan.add_argument("model", help="a built-in shape (llama-3-8b, qwen2.5-32b, mixtral-8x7b, llama-3-70b) "
+                                    "or a local folder with config.json")
+    plan.add_argument("--gpu-memory", required=True, help='GPU budget for the weights, e.g. "20GiB"')
+    plan.add_argument("--tokens", type=int, default=1, help="tokens per forward to plan for (default 1)")
+    plan.add_argument("--strategy", default="auto", choices=["auto", "stream", "uva"])
+    plan.add_argument("--json", action="store_true", help="print JSON for tools")
     args = parser.parse_args(argv)
 
     if args.command == "demo":
@@ -33,6 +42,21 @@ def main(argv: list[str] | None = None) -> int:
         from .demo import run_demo
 
         return 0 if run_demo(args.device, args.fraction, args.new_tokens) else 1
+    if args.command == "probe":
+        return _probe(args.refresh)
+    if args.command == "plan":
+        import json
+
+        from .errors import BudgetError
+        from .planview import format_report, plan_report
+
+        try:
+            report = plan_report(args.model, args.gpu_memory, args.tokens, args.strategy)
+        except (BudgetError, ValueError) as err:
+            print(f"weightstream plan: {err}", file=sys.stderr)
+            return 1
+        print(json.dumps(report, indent=1) if args.json else format_report(report))
+        return 0
     if args.command == "generate":
         from .errors import WeightstreamError
         from .generate import generate_text
@@ -48,6 +72,25 @@ def main(argv: list[str] | None = None) -> int:
         print(summary)
         return 0
     return 2
+
+
+def _probe(refresh: bool) -> int:
+    import torch
+
+    from .probe import cache_path, load_profile
+
+    if not torch.cuda.is_available():
+        print("weightstream probe: no CUDA GPU here; the planner uses the reference H200 profile")
+        return 1
+    path = cache_path(torch.cuda.get_device_name())
+    cached = path.is_file() and not refresh
+    profile = load_profile("cuda", refresh=refresh)
+    source = "cached" if cached else "measured"
+    print(f"{profile.gpu}: host->GPU {profile.h2d_GBps:.1f} GB/s ({source}, {path})")
+    for m in sorted(profile.resident):
+        print(f"  {m:5d} tokens: resident GEMM {1e-9 / profile.resident[m]:8.1f} GB/s of weights, "
+              f"zero copy {1e-9 / profile.uva[m]:6.1f} GB/s")
+    return 0
 
 
 if __name__ == "__main__":

@@ -396,6 +396,7 @@ class Prepared:
     group_bytes: list[int]
     uva_groups: list[list[tuple[Entry, Slice]]]  # zero-copy blocks
     uva_group_bytes: list[int]
+    cost: ModelCost
 
     @property
     def host_groups(self) -> list[list[tuple[Entry, Slice]]]:
@@ -459,7 +460,7 @@ def prepare(
     groups, group_bytes = grouped(placement.streamed)
     uva_groups, uva_group_bytes = grouped(placement.uva)
     return Prepared(model, device, [b.name for b in found], block_modules, entries, placement, groups,
-                    group_bytes, uva_groups, uva_group_bytes)
+                    group_bytes, uva_groups, uva_group_bytes, cost)
 
 
 def final_places(

@@ -1,0 +1,66 @@
+"""`weightstream plan`: show where a model's weights would go under a budget, and the predicted time."""
+
+from __future__ import annotations
+
+import torch
+
+from .cost import predict
+from .offload import prepare
+from .probe import load_profile
+from .shapes import meta_model
+from .sizes import format_size, parse_size
+
+
+def plan_report(model_name: str, gpu_memory: int | str, tokens: int = 1, strategy: str = "auto",
+                prefill_tokens: int = 2048) -> dict:
+    """The placement of `model_name` (built-in shape or local folder) under `gpu_memory`, optimized for
+    `tokens` tokens per forward, with predicted ms for decode (1 token) and prefill; plain data."""
+    model = meta_model(model_name)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    prep = prepare(model, gpu_memory, device, allow_meta=True, strategy=strategy, tokens=tokens)
+    profile = load_profile(device)
+    p, cost = prep.placement, prep.cost
+    predictions = {
+        name: predict(cost, p.streamed, p.n_slots, p.uva, n, profile)
+        for name, n in (("decode", 1), (f"prefill_{prefill_tokens}", prefill_tokens))
+    }
+    resident_blocks = [i for i in range(len(cost.block_bytes)) if i not in p.streamed and i not in p.uva]
+    return {
+        "model": model_name,
+        "budget_bytes": parse_size(gpu_memory),
+        "optimized_for_tokens": tokens,
+        "profile": {"gpu": profile.gpu, "h2d_GBps": round(profile.h2d_GBps, 1)},
+        "weight_bytes": cost.fixed_bytes + sum(cost.block_bytes),
+        "strategy": p.strategy,
+        "blocks": len(cost.block_bytes),
+        "resident": {"bytes": p.resident_bytes, "blocks": resident_blocks},
+        "streamed": {"bytes": sum(cost.block_bytes[i] for i in p.streamed), "blocks": list(p.streamed),
+                     "slots": p.n_slots, "slot_bytes": p.slot_bytes},
+        "zero_copy": {"bytes": p.uva_bytes, "blocks": list(p.uva)},
+        "gpu_bytes": p.gpu_bytes,
+        "predicted": {k: {"ms": round(v.ms, 2), "bound": v.bound, "compute_ms": round(v.compute_ms, 2),
+                          "link_ms": round(v.link_ms, 2)} for k, v in predictions.items()},
+    }
+
+
+def format_report(r: dict) -> str:
+    """A readable table of `plan_report`'s result."""
+    def size(n):
+        return format_size(n)
+
+    lines = [
+        f"{r['model']}: {size(r['weight_bytes'])} of weights in {r['blocks']} blocks; budget "
+        f"{size(r['budget_bytes'])}; planned for {r['optimized_for_tokens']} token(s) per forward on "
+        f"{r['profile']['gpu']} ({r['profile']['h2d_GBps']} GB/s host->GPU)",
+        f"{'':12}{'blocks':>8}{'bytes':>14}",
+        f"{'resident':12}{len(r['resident']['blocks']):>8}{size(r['resident']['bytes']):>14}"
+        "   (with everything outside the blocks)",
+        f"{'streamed':12}{len(r['streamed']['blocks']):>8}{size(r['streamed']['bytes']):>14}"
+        f"   through {r['streamed']['slots']} slot(s) of {size(r['streamed']['slot_bytes'])}",
+        f"{'zero copy':12}{len(r['zero_copy']['blocks']):>8}{size(r['zero_copy']['bytes']):>14}",
+        f"GPU memory for weights: {size(r['gpu_bytes'])} (strategy: {r['strategy']})",
+    ]
+    for phase, p in r["predicted"].items():
+        lines.append(f"predicted {phase}: {p['ms']:.1f} ms per forward, {p['bound']}-bound "
+                     f"(compute {p['compute_ms']:.1f} ms, link {p['link_ms']:.1f} ms)")
+    return "\n".join(lines)

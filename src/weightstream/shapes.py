@@ -1,0 +1,49 @@
+"""Built-in model shapes for planning without weights: configs only, built on the meta device."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+SHAPES = {
+    "llama-3-8b": dict(
+        model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+    ),
+    "llama-3-70b": dict(
+        model_type="llama", hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+        num_attention_heads=64, num_key_value_heads=8, vocab_size=128256,
+    ),
+    "qwen2.5-32b": dict(
+        model_type="qwen2", hidden_size=5120, intermediate_size=27648, num_hidden_layers=64,
+        num_attention_heads=40, num_key_value_heads=8, vocab_size=152064,
+    ),
+    "mixtral-8x7b": dict(
+        model_type="mixtral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, vocab_size=32000, num_local_experts=8,
+        num_experts_per_tok=2,
+    ),
+}
+
+
+def meta_model(name_or_path: str, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
+    """A causal LM with every tensor on the meta device, from a built-in shape name or a local folder
+    holding config.json. Costs no memory; good for planning only."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if name_or_path in SHAPES:
+        fields = dict(SHAPES[name_or_path])
+        config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    elif (Path(name_or_path) / "config.json").is_file():
+        config = AutoConfig.for_model(**json.loads((Path(name_or_path) / "config.json").read_text()))
+    else:
+        raise ValueError(
+            f"{name_or_path!r} is neither a built-in shape ({', '.join(SHAPES)}) nor a folder with "
+            "config.json"
+        )
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval().requires_grad_(False)
