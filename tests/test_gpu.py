@@ -61,7 +61,7 @@ def test_eager_exact_and_streamed_bytes_leave_the_gpu(arch):
     before = torch.cuda.memory_allocated()
     handle = ws.offload(model, gpu_memory=streaming_all_budget(model), strategy="stream")
     stats = handle.stats
-    assert stats.groups == 4
+    assert stats.groups >= 2  # streams most blocks (the planner picks the slot count)
     freed = before - torch.cuda.memory_allocated()
     slack = 512 * sum(1 for _ in model.parameters())  # the caching allocator rounds each tensor to 512 B
     assert abs(freed - (stats.streamed_bytes - stats.staging_bytes)) <= slack
