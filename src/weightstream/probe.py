@@ -74,16 +74,16 @@ def _interpolate(table: dict[int, float], tokens: int) -> float:
     raise AssertionError("unreachable")
 
 
-# Measured by `weightstream probe` on the H200 of benchmarks/results/probe_h200.json; used to plan
-# where no GPU can be measured (the CPU backend, `weightstream plan` on a laptop).
+# Measured on an H200 (PCIe Gen5, torch 2.11) by `measure()`, recorded in
+# benchmarks/results/plan_llama-3-8b.json; used to plan where no GPU can be measured (the CPU backend,
+# `weightstream plan` on a machine without CUDA).
 H200 = MachineProfile(
-    gpu="NVIDIA H200 (reference)",
-    copy_s_per_byte=1 / 55.2e9,
-    resident={1: 2.9e-13, 16: 2.9e-13, 64: 2.9e-13, 256: 3.6e-13, 1024: 1.3e-12, 2048: 2.6e-12,
-              8192: 1.04e-11},
-    uva={1: 1 / 51e9, 16: 1 / 51e9, 64: 1 / 51e9, 256: 1 / 40e9, 1024: 1 / 12e9, 2048: 1 / 6e9,
-         8192: 1 / 1.5e9},
-    block_overhead_s=0.0,
+    gpu="NVIDIA H200 (reference, benchmarks/results/plan_llama-3-8b.json)",
+    copy_s_per_byte=1.81937e-11,
+    resident={1: 4.029e-13, 16: 5.116e-13, 64: 4.783e-13, 256: 4.697e-13, 1024: 1.433e-12,
+              2048: 2.966e-12, 8192: 1.075e-11},
+    uva={1: 2.067e-11, 16: 1.989e-11, 64: 2.097e-11, 256: 4.03e-11, 1024: 8.062e-11, 2048: 1.604e-10,
+         8192: 7.65e-10},
 )
 
 
