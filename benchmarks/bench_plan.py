@@ -21,7 +21,7 @@ import torch
 from bench_core import SHAPES, build_model
 
 import weightstream as ws
-from weightstream.probe import load_profile
+from weightstream.probe import cuda_times_ms, load_profile
 
 PHASES = {"decode": 1, "prefill": 2048}
 STRATEGIES = ("stream", "uva", "auto")
@@ -33,20 +33,14 @@ def log(msg: str) -> None:
 
 def timed(fn, reps: int, device: torch.device) -> list[float]:
     """Milliseconds of `reps` calls of fn after one warm-up: CUDA events on a GPU, a host clock else."""
+    if device.type == "cuda":
+        return cuda_times_ms(fn, reps, warmup=1)
     fn()
     times = []
     for _ in range(reps):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
     return times
 
 

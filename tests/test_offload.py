@@ -229,6 +229,17 @@ def test_two_offloaded_models_in_one_process_are_independent():
         assert torch.equal(b(x), ref_b(x))
 
 
+def test_a_model_dropped_without_restore_frees_its_engine():
+    import gc
+
+    _, model = toy_twin()
+    engine_id = toy_streaming_all(model).engine_id
+    assert engine_id in ws.ops._ENGINES
+    del model
+    gc.collect()
+    assert engine_id not in ws.ops._ENGINES
+
+
 # --- bad input --------------------------------------------------------------------------------------
 
 def test_budget_too_small_names_the_minimum():

@@ -7,6 +7,8 @@ with cudaHostRegister, one region for all groups, each group a contiguous slice 
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from .errors import PinnedMemoryError
@@ -43,6 +45,9 @@ class HostArena:
                     "about 9x slower and cannot be captured in CUDA graphs."
                 )
             self.pinned_bytes = self._raw.numel()
+        # Unpin when closed, or when the arena is dropped without close(); the finalizer holds the
+        # allocation, so it is freed only after it is unregistered.
+        self._unpin = weakref.finalize(self, _unregister, self._raw, bool(self.pinned_bytes))
 
     def region(self, group: int) -> torch.Tensor:
         """Return group `group`'s bytes as a uint8 tensor view."""
@@ -51,6 +56,10 @@ class HostArena:
 
     def close(self) -> None:
         """Unpin the memory (the caller must have synchronized every copy that reads it)."""
-        if self.pinned_bytes:
-            torch.cuda.cudart().cudaHostUnregister(self._raw.data_ptr())
-            self.pinned_bytes = 0
+        self._unpin()
+        self.pinned_bytes = 0
+
+
+def _unregister(raw: torch.Tensor, pinned: bool) -> None:
+    if pinned:
+        torch.cuda.cudart().cudaHostUnregister(raw.data_ptr())

@@ -180,31 +180,25 @@ class OffloadHandle:
 
     def __init__(
         self,
-        model: nn.Module,
-        device: torch.device,
-        placement: Placement,
-        block_names: list[str],
-        entries: list[Entry],
-        groups: list[list[tuple[Entry, Slice]]],
+        prep: Prepared,
         arena: HostArena,
         slots: list[torch.Tensor],
         disk: DiskTier | None = None,
         pin: bool = True,
-        uva_groups: list[list[tuple[Entry, Slice]]] | None = None,
     ) -> None:
-        self.model = model
-        self._uva_groups = uva_groups or []
-        self.device = device
-        self.placement = placement
-        self.streamed_blocks = [block_names[i] for i in placement.streamed]
-        self._entries = entries
-        self._groups = groups
+        self.model = prep.model
+        self.device = prep.device
+        self.placement = prep.placement
+        self.streamed_blocks = [prep.block_names[i] for i in prep.placement.streamed]
+        self._entries = prep.entries
+        self._groups = prep.groups
+        self._uva_groups = prep.uva_groups
         self._arena = arena
         self._slots = slots
-        self._schedule = Schedule(len(groups), placement.n_slots)
-        cuda = device.type == "cuda"
+        self._schedule = Schedule(len(prep.groups), prep.placement.n_slots)
+        cuda = prep.device.type == "cuda"
         self._transfer = (
-            CudaTransfer(arena, slots, device, disk, pin) if cuda else SyncTransfer(arena, slots, disk)
+            CudaTransfer(arena, slots, prep.device, disk, pin) if cuda else SyncTransfer(arena, slots, disk)
         )
         self._warned = False
         self._streamed_modules: list[nn.Module] = []
@@ -517,10 +511,7 @@ def finish(
         for entry, sl in group:
             _set_tensor(entry, entry.view_of(slot[sl.offset : sl.offset + sl.nbytes]))
 
-    handle = OffloadHandle(
-        prep.model, prep.device, placement, prep.block_names, prep.entries, prep.groups, arena, slots,
-        disk, pin, prep.uva_groups,
-    )
+    handle = OffloadHandle(prep, arena, slots, disk, pin)
     _install_schedule(handle, prep.block_modules)
     for module in prep.model.modules():
         module._apply = types.MethodType(_blocked_apply, module)

@@ -14,6 +14,7 @@ Engines are found by an integer id, so two offloaded models in one process stay 
 from __future__ import annotations
 
 import itertools
+import weakref
 from typing import Protocol
 
 import torch
@@ -24,12 +25,13 @@ class _Engine(Protocol):
     def release(self, group: int) -> None: ...
 
 
-_ENGINES: dict[int, _Engine] = {}
+# Weak: a model dropped without restore() frees its arena and slots like any other object.
+_ENGINES: weakref.WeakValueDictionary[int, _Engine] = weakref.WeakValueDictionary()
 _IDS = itertools.count(1)
 
 
 def register(engine: _Engine) -> int:
-    """Make `engine` reachable from the ops; returns its id."""
+    """Make `engine` reachable from the ops (weakly); returns its id."""
     engine_id = next(_IDS)
     _ENGINES[engine_id] = engine
     return engine_id
@@ -45,8 +47,9 @@ def _engine(engine_id: int) -> _Engine:
         return _ENGINES[engine_id]
     except KeyError:
         raise RuntimeError(
-            f"weightstream engine {engine_id} is gone (handle.restore() was called): this compiled or "
-            "captured forward still refers to it; compile or capture the model again"
+            f"weightstream engine {engine_id} is gone (handle.restore() was called, or the offloaded "
+            "model was deleted): this compiled or captured forward still refers to it; compile or "
+            "capture the model again"
         ) from None
 
 

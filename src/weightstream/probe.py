@@ -87,8 +87,10 @@ H200 = MachineProfile(
 )
 
 
-def _time_ms(fn, reps: int = 10) -> float:
-    for _ in range(3):
+def cuda_times_ms(fn, reps: int, warmup: int = 3) -> list[float]:
+    """Milliseconds of each of `reps` calls of `fn` after `warmup` calls, timed with CUDA events on the
+    current stream, each call started from an idle GPU."""
+    for _ in range(warmup):
         fn()
     times = []
     for _ in range(reps):
@@ -98,7 +100,11 @@ def _time_ms(fn, reps: int = 10) -> float:
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return times
+
+
+def _time_ms(fn, reps: int = 10) -> float:
+    return statistics.median(cuda_times_ms(fn, reps))
 
 
 def measure(device: torch.device | str = "cuda", progress: bool = True) -> MachineProfile:
