@@ -8,8 +8,14 @@ import sys
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `weightstream` and `python -m weightstream`; returns the exit status."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # the suite has its own options: hand them over whole
+        from .suite import main as bench
+
+        return bench(argv[1:])
     parser = argparse.ArgumentParser(prog="weightstream", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("bench", help="every offload method side by side (see: weightstream bench --help)")
     demo = sub.add_parser("demo", help="offload a built-in model, generate, compare with the resident run")
     demo.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     demo.add_argument("--fraction", type=float, default=0.4,

@@ -113,7 +113,7 @@ def measure(device: torch.device | str = "cuda", progress: bool = True) -> Machi
     from .uva import uva_view
 
     device = torch.device(device)
-    copy_s_per_byte = _copy_seconds_per_byte(device)
+    copy_s_per_byte = copy_seconds_per_byte(device)
     n, k = 8192, 8192  # a 128 MiB bf16 weight, the size of a large projection
     weight = torch.randn(n, k, device=device, dtype=torch.bfloat16)
     host = torch.empty(n * k * 2, dtype=torch.uint8, pin_memory=True)
@@ -130,7 +130,7 @@ def measure(device: torch.device | str = "cuda", progress: bool = True) -> Machi
     return MachineProfile(torch.cuda.get_device_name(device), copy_s_per_byte, resident, uva)
 
 
-def _copy_seconds_per_byte(device: torch.device, nbytes: int = 2**30) -> float:
+def copy_seconds_per_byte(device: torch.device, nbytes: int = 2**30) -> float:
     """Pinned host->GPU copy time per byte (median of 10 copies of 1 GiB)."""
     src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dst = torch.empty(nbytes, dtype=torch.uint8, device=device)

@@ -1,0 +1,179 @@
+"""The benchmark suite harness on the CPU: registry, a real tiny run, schema, tables and plots.
+
+Timings are never asserted (the CPU runs the synchronous backend); exactness and the schema are.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from weightstream import suite
+
+WS = ["ws-stream", "ws-uva", "ws-auto"]
+PHASES = ["decode-b1", "prefill-8"]
+
+
+@pytest.fixture(scope="module")
+def stored(tmp_path_factory) -> str:
+    """Path of the JSON written by one tiny CPU run (eager only; optional methods included so a missing
+    import is recorded)."""
+    path = str(tmp_path_factory.mktemp("suite") / "suite_tiny.json")
+    methods = ["resident", *WS, "accelerate-cpu_offload", "diffusers-group"]
+    suite.run_suite("tiny", [0.5, "0.8"], PHASES, methods, ["eager"], 2, "cpu", path, command="test")
+    return path
+
+
+@pytest.fixture
+def doc(stored) -> dict:
+    with open(stored) as f:
+        return json.load(f)
+
+
+def test_registry_lists_the_methods_and_skips_missing_imports_with_a_reason():
+    names = [m.name for m in suite.METHODS]
+    assert names == ["resident", *WS, "accelerate-cpu_offload", "accelerate-device_map", "diffusers-group"]
+    registered, missing = suite.registry(), suite.unavailable()
+    assert {"resident", *WS} <= set(registered)
+    assert set(registered) | set(missing) == set(names) and not set(registered) & set(missing)
+    for name, module in [("accelerate-cpu_offload", "accelerate"), ("accelerate-device_map", "accelerate"),
+                         ("diffusers-group", "diffusers")]:
+        if importlib.util.find_spec(module) is None:
+            assert f"pip install {module}" in missing[name]
+        else:
+            assert registered[name].modes == ("eager",)
+    assert all(suite.registry()[n].modes == suite.MODES for n in ["resident", *WS])
+
+
+def test_tiny_run_is_valid_and_every_weightstream_method_is_exact(doc):
+    assert suite.validate(doc) is doc
+    assert doc["command"] == "test" and doc["h2d_bandwidth_GBps"] is None and doc["reference"] == "resident"
+    for name, reason in suite.unavailable().items():
+        if name != "accelerate-device_map":  # not asked for
+            assert doc["skipped_methods"][name] == reason
+    assert "CUDA" in doc["skipped_methods"]["diffusers-group"] or "diffusers" in doc["skipped_methods"][
+        "diffusers-group"]
+    rows = doc["results"]
+    resident = [r for r in rows if r["method"] == "resident"]
+    assert [r["phase"] for r in resident] == PHASES and all(r["reference"] == "self" for r in resident)
+    assert all(r["budget_bytes"] is None for r in resident)
+    ws_rows = [r for r in rows if r["method"] in WS]
+    assert len(ws_rows) == len(WS) * 2 * len(PHASES)
+    for r in ws_rows:
+        assert r["error"] is None and r["skipped"] is None, r
+        assert r["exact"] is True and r["reference"] == "resident eager", r
+        assert r["budget_bytes"] in doc["budgets"] and r["setup"]["link_bytes"] > 0
+        assert r["tokens_per_s"] > 0 and r["tokens"] == (1 if r["phase"] == "decode-b1" else 8)
+    assert doc["budgets"] == [int(0.5 * doc["weight_bytes"]), int(0.8 * doc["weight_bytes"])]
+
+
+def test_markdown_table_has_one_row_per_result(doc):
+    table = suite.markdown_table([doc])
+    lines = table.splitlines()
+    assert lines[0].startswith("| shape | phase | budget | method | mode | tokens/s")
+    assert len(lines) == 2 + len(doc["results"])
+    assert any("| resident | eager |" in line and line.endswith("| ref |") for line in lines)
+    assert any("| ws-stream | eager |" in line and line.endswith("| True |") for line in lines)
+
+
+def test_errors_and_skips_show_in_the_table(doc):
+    broken = copy.deepcopy(doc)
+    broken["results"][0].update(median_ms=None, tokens_per_s=None, error="Unsupported: compiler.disable")
+    broken["results"][1].update(median_ms=None, tokens_per_s=None, skipped="CUDA graphs need a CUDA device")
+    table = suite.markdown_table([suite.validate(broken)])
+    assert "error: Unsupported: compiler.disable" in table and "skipped: CUDA graphs" in table
+
+
+def test_benchmarks_md_from_stored_results(stored, tmp_path):
+    md = tmp_path / "docs" / "benchmarks.md"
+    text = suite.write_benchmarks_md([stored], str(md), images=[str(tmp_path / "docs" / "bench_tiny.png")])
+    assert md.read_text() == text
+    assert text.startswith("# Benchmarks") and "link bound" in text and "command: `test`" in text
+    assert "![bench_tiny.png](bench_tiny.png)" in text and "| tiny | decode-b1 |" in text
+
+
+def test_plot_tokens_per_s_from_stored_results(doc, tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "bench.png"
+    suite.plot_tokens_per_s([doc], str(png))
+    assert png.stat().st_size > 0
+
+
+def test_plot_timeline_from_events(tmp_path):
+    pytest.importorskip("matplotlib")
+    events = [("copy", "Memcpy HtoD (Pinned -> Device)", 0.0, 4.0), ("compute", "gemm", 0.5, 1.5),
+              ("copy", "Memcpy HtoD (Pinned -> Device)", 4.0, 8.0), ("compute", "gemm", 4.2, 5.0)]
+    png = tmp_path / "timeline.png"
+    suite.plot_timeline(events, str(png))
+    assert png.stat().st_size > 0
+
+
+def test_report_mode_writes_the_page_and_plots(stored, tmp_path):
+    pytest.importorskip("matplotlib")
+    md = tmp_path / "benchmarks.md"
+    assert suite.main(["--report", stored, "--md", str(md), "--png-dir", str(tmp_path / "png")]) == 0
+    assert (tmp_path / "png" / "bench_tiny.png").stat().st_size > 0
+    assert "](png/bench_tiny.png)" in md.read_text()
+
+
+def test_timeline_events_put_host_copies_on_the_copy_row():
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    def event(name, device, start_us, end_us):
+        span = SimpleNamespace(start=start_us, end=end_us)
+        return SimpleNamespace(name=name, device_type=device, time_range=span)
+
+    events = [event("aten::mm", cpu, 0, 50), event("sm90_gemm", cuda, 1500, 2500),
+              event("Memcpy HtoD (Pinned -> Device)", cuda, 1000, 3000),
+              event("Memset (Device)", cuda, 3000, 3010)]
+    assert suite.timeline_events(events) == [
+        ("copy", "Memcpy HtoD (Pinned -> Device)", 0.0, 2.0), ("compute", "sm90_gemm", 0.5, 1.5),
+        ("compute", "Memset (Device)", 2.0, 2.01)]
+    assert suite.timeline_events([event("aten::mm", cpu, 0, 50)]) == []
+
+
+def test_record_timeline_is_empty_on_the_cpu():
+    model = suite.build_model("tiny", torch.device("cpu"))
+    assert suite.record_timeline(model, lambda: pytest.fail("must not run a forward on the CPU")) == []
+
+
+@pytest.mark.parametrize(
+    "breakage, field",
+    [
+        (lambda d: d.pop("gpu"), "gpu"),
+        (lambda d: d.update(weight_bytes="16GB"), "weight_bytes"),
+        (lambda d: d["results"][0].update(exact="yes"), "results[0].exact"),
+        (lambda d: d["results"][1].update(mode="fast"), "results[1].mode"),
+        (lambda d: d["results"][2].pop("budget_bytes"), "results[2].budget_bytes"),
+        (lambda d: d["results"][0].update(error="boom"), "results[0].median_ms"),
+        (lambda d: d["results"][0].update(reps=True), "results[0].reps"),
+    ],
+)
+def test_validate_names_the_bad_field(doc, breakage, field):
+    breakage(doc)
+    with pytest.raises(ValueError) as err:
+        suite.validate(doc)
+    assert str(err.value).startswith(field + ":") or str(err.value).startswith(field + " ")
+
+
+def test_phases_and_budgets_parse():
+    assert suite.parse_phase("decode-b64") == suite.Phase("decode-b64", 64, 1)
+    assert suite.parse_phase("prefill-2048").tokens == 2048
+    with pytest.raises(ValueError, match="decode-bN"):
+        suite.parse_phase("decode")
+    assert suite.resolve_budget("0.25", 1000) == 250 and suite.resolve_budget(0.5, 1000) == 500
+    assert suite.resolve_budget("8GiB", 1000) == 8 * 2**30 and suite.resolve_budget(4096, 1000) == 4096
+    with pytest.raises(ValueError, match="fraction"):
+        suite.resolve_budget(1.5, 1000)
+
+
+def test_bench_refuses_a_large_shape_without_cuda(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("the refusal is for machines without CUDA")
+    assert suite.main(["--shape", "llama-3-8b", "--out", "/nonexistent/never.json"]) == 1
+    assert "--shape tiny" in capsys.readouterr().err
