@@ -46,3 +46,14 @@ def test_probe_without_a_gpu_says_so(capsys):
         pytest.skip("this machine has a GPU")
     assert main(["probe"]) == 1
     assert "no CUDA GPU" in capsys.readouterr().out
+
+
+def test_plan_reads_a_local_config_folder(tmp_path, capsys):
+    import json
+
+    from conftest import hf_config
+
+    hf_config("qwen2").save_pretrained(tmp_path)
+    assert main(["plan", str(tmp_path), "--gpu-memory", "100KB", "--json", "--strategy", "stream"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["blocks"] == 4 and report["strategy"] == "stream" and report["gpu_bytes"] <= 100_000

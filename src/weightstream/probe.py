@@ -13,6 +13,7 @@ import json
 import math
 import os
 import statistics
+import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -152,6 +153,8 @@ def load_profile(device: torch.device | str | None = None, refresh: bool = False
     path = cache_path(torch.cuda.get_device_name(device))
     if path.is_file() and not refresh:
         return MachineProfile.from_json(path.read_text())
+    print(f"weightstream: measuring this GPU for the planner (about ten seconds, once; cached in {path})",
+          file=sys.stderr, flush=True)
     profile = measure(device, progress=False)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(profile.to_json())
