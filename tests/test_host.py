@@ -31,3 +31,32 @@ def test_failed_pinning_names_the_pin_memory_opt_out(monkeypatch):
     monkeypatch.setattr(torch.cuda, "cudart", lambda: RefusingCudart)
     with pytest.raises(PinnedMemoryError, match="pin_memory=False"):
         HostArena([4096], pin=True)
+
+
+def test_a_dropped_pinned_arena_is_unregistered_once(monkeypatch):
+    import gc
+
+    calls = []
+
+    class CountingCudart:
+        @staticmethod
+        def cudaHostRegister(ptr, size, flags):
+            calls.append(("register", ptr))
+            return 0
+
+        @staticmethod
+        def cudaHostUnregister(ptr):
+            calls.append(("unregister", ptr))
+            return 0
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: CountingCudart)
+    arena = HostArena([4096], pin=True)
+    ptr = calls[0][1]
+    del arena
+    gc.collect()
+    assert calls == [("register", ptr), ("unregister", ptr)]
+    closed = HostArena([4096], pin=True)
+    closed.close()
+    del closed
+    gc.collect()
+    assert [c[0] for c in calls[2:]] == ["register", "unregister"]  # close() then the drop: once
