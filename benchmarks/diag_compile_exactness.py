@@ -22,7 +22,7 @@ for emulate in (False, True):
     torch._inductor.config.emulate_precision_casts = emulate
     ref = make_model("llama", 0, torch.bfloat16).cuda()
     model = copy.deepcopy(ref)
-    ws.offload(model, gpu_memory=streaming_all_budget(model))
+    ws.offload(model, gpu_memory=streaming_all_budget(model), strategy="stream", tokens=2048)
     with torch.no_grad():
         e_ref, e_mod = ref(ids_for(0)).logits, model(ids_for(0)).logits
         c_ref = torch.compile(ref, fullgraph=True)(ids_for(0)).logits
