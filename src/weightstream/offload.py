@@ -1,8 +1,9 @@
 """`offload(model, gpu_memory=...)`: the in-place transform that makes a model stream its weights.
 
-It finds the repeated blocks, keeps what fits resident on the device, moves the rest into one exact-size
-pinned host arena, turns every streamed tensor into a permanent view of a static GPU slot, and hooks
-the two schedule ops around each streamed block. The model stays an ordinary `nn.Module`.
+It finds the repeated blocks, plans what stays resident on the device (`plan.py`), moves the rest into
+one exact-size pinned host arena, turns every streamed tensor into a permanent view of a static GPU
+slot (or, for zero-copy blocks, of the arena itself), and gives each streamed block a subclass whose
+forward runs the two schedule ops around it. The model stays an ordinary `nn.Module`.
 """
 
 from __future__ import annotations
@@ -258,7 +259,8 @@ class OffloadHandle:
 
     def restore(self, device: str | torch.device | None = None) -> nn.Module:
         """Put every weight back as a plain tensor on `device` (default: the offload device), remove the
-        hooks and ops, and free the slots and the host arena. Returns the model."""
+        schedule ops (the blocks get their own classes back), and free the slots and the host arena.
+        Returns the model."""
         if self.restored:
             raise OffloadStateError("this handle was already restored")
         target = self.device if device is None else _resolve_device(device)
