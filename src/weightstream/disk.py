@@ -35,6 +35,12 @@ class DiskTier:
         for stored, sl in self.groups[group]:
             read_into(stored, dst[sl.offset : sl.offset + sl.nbytes])
 
+    def load(self, group: int) -> torch.Tensor:
+        """`group`'s bytes read into a new (pageable) uint8 tensor."""
+        dst = torch.empty(self.group_bytes[group], dtype=torch.uint8)
+        self.read_group(group, dst)
+        return dst
+
 
 class DiskPrefetcher:
     """Reads disk groups ahead, in forward order, into pinned bounce buffers."""

@@ -98,10 +98,13 @@ def _entry_names(model: nn.Module, entries: list[Entry]) -> dict[str, Entry]:
 
 
 def _match(model: nn.Module, entries: list[Entry], stored: dict[str, StoredTensor], folder: Path):
-    """Pair every streamable or persistent entry with its stored tensor; check shapes and dtypes."""
+    """Pair every persistent entry (a parameter or a saved buffer) with its stored tensor; check
+    shapes and dtypes."""
     names = _entry_names(model, entries)
-    persistent = {id(e) for e in entries if any(
-        s.is_param or s.name not in s.module._non_persistent_buffers_set for s in e.sites)}
+    first_name = {}
+    for name, entry in names.items():
+        first_name.setdefault(id(entry), name)
+    persistent = {id(e) for e in entries if any(s.persistent for s in e.sites)}
     pairs: dict[int, tuple[Entry, StoredTensor]] = {}
     for name, tensor in stored.items():
         entry = names.get(name)
@@ -110,7 +113,7 @@ def _match(model: nn.Module, entries: list[Entry], stored: dict[str, StoredTenso
     missing = [e for e in entries if id(e) in persistent and id(e) not in pairs]
     unexpected = sorted(set(stored) - set(names))
     if missing:
-        example = next(n for n, e in names.items() if e is missing[0])
+        example = first_name[id(missing[0])]
         hint = (" The checkpoint stores tensors the model does not have (e.g. "
                 f"{unexpected[0]}): its layout needs a weight conversion (such as fused MoE experts) that "
                 "weightstream does not do yet." if unexpected else "")
@@ -120,7 +123,7 @@ def _match(model: nn.Module, entries: list[Entry], stored: dict[str, StoredTenso
         warnings.warn(f"{folder}: ignoring {len(unexpected)} checkpoint tensor(s) the model does not have, "
                       f"e.g. {unexpected[:3]}", stacklevel=3)
     for entry, tensor in pairs.values():
-        name = next(n for n, e in names.items() if e is entry)
+        name = first_name[id(entry)]
         if tensor.shape != entry.shape:
             raise CheckpointError(f"{folder}: {name} has shape {list(tensor.shape)} in the checkpoint but "
                                   f"{list(entry.shape)} in the model built from config.json")
@@ -148,12 +151,12 @@ def _fill(pairs, places: dict[int, torch.Tensor], progress: bool) -> None:
             bar.update(stored.nbytes)
 
 
-def choose_disk_groups(group_bytes: list[int], cpu_memory: int | None) -> tuple[frozenset[int], int]:
+def choose_disk_groups(group_bytes: list[int], cpu_memory: int | None) -> frozenset[int]:
     """Which streamed groups stay on disk when host memory for them is limited to `cpu_memory` bytes,
-    and the bytes of each of the two pinned bounce buffers they then need. Disk groups are spread
-    through the model, so the disk reader works ahead while host groups stream."""
+    two pinned bounce buffers of the largest group counted. Disk groups are spread through the model,
+    so the disk reader works ahead while host groups stream."""
     if cpu_memory is None or sum(group_bytes) <= cpu_memory:
-        return frozenset(), 0
+        return frozenset()
     bounce = max(group_bytes)
     room = cpu_memory - 2 * bounce
     if room < 0:
@@ -166,7 +169,7 @@ def choose_disk_groups(group_bytes: list[int], cpu_memory: int | None) -> tuple[
     for k in range(1, n + 1):
         on_disk = spread(n, k)
         if sum(b for g, b in enumerate(group_bytes) if g not in on_disk) <= room:
-            return frozenset(on_disk), bounce
+            return frozenset(on_disk)
     raise AssertionError("unreachable: all groups on disk always fit")
 
 
@@ -209,7 +212,7 @@ def from_pretrained(
             "cpu_memory or strategy='stream'",
             sum(prep.uva_group_bytes),
         )
-    on_disk, _ = choose_disk_groups(prep.group_bytes, host_limit)
+    on_disk = choose_disk_groups(prep.group_bytes, host_limit)
     disk = _disk_tier(prep, pairs, on_disk, folder) if on_disk else None
     pin = pin_memory and prep.device.type == "cuda"
     arena = HostArena([0 if g in on_disk else b for g, b in enumerate(prep.host_group_bytes)], pin=pin)
@@ -225,7 +228,6 @@ def from_pretrained(
         arena.close()
         raise
     return model
-
 
 
 def _disk_tier(prep, pairs, on_disk: frozenset[int], folder: Path) -> DiskTier:

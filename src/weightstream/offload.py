@@ -40,6 +40,11 @@ class TensorSite:
     name: str
     is_param: bool
 
+    @property
+    def persistent(self) -> bool:
+        """True for a parameter or a buffer saved in the state dict (and so in checkpoints)."""
+        return self.is_param or self.name not in self.module._non_persistent_buffers_set
+
 
 @dataclass
 class Entry:
@@ -97,7 +102,6 @@ def _collect(model: nn.Module, blocks: list[nn.Module]) -> list[Entry]:
     entries: dict[int, Entry] = {}
     for module in model.modules():
         owner = block_of.get(id(module))
-        persistent = {n for n in module._buffers if n not in module._non_persistent_buffers_set}
         tensors = [(n, t, True) for n, t in module._parameters.items()]
         tensors += [(n, t, False) for n, t in module._buffers.items()]
         for name, tensor, is_param in tensors:
@@ -106,7 +110,7 @@ def _collect(model: nn.Module, blocks: list[nn.Module]) -> list[Entry]:
             site = TensorSite(module, name, is_param)
             entry = entries.get(id(tensor))
             if entry is None:
-                streamable = owner is not None and (is_param or name in persistent)
+                streamable = owner is not None and site.persistent
                 entries[id(tensor)] = Entry(tensor, [site], owner if streamable else None)
             else:
                 entry.sites.append(site)
@@ -277,8 +281,7 @@ class OffloadHandle:
         for g, group in enumerate(self._groups + self._uva_groups):
             region = self._arena.region(g)
             if g < len(self._groups) and self._transfer.on_disk(g):
-                region = torch.empty(self._transfer.disk.group_bytes[g], dtype=torch.uint8)
-                self._transfer.disk.read_group(g, region)
+                region = self._transfer.disk.load(g)
             for entry, sl in group:
                 raw = region[sl.offset : sl.offset + sl.nbytes]
                 value = entry.view_of(raw).to(target, copy=True)
@@ -494,9 +497,9 @@ def finish(
     schedule and return the handle. `places` must hold every resident and host-streamed entry's bytes
     by now; groups in `disk` are read from their files each forward."""
     placement = prep.placement
-    streamed = {id(e) for group in prep.groups for e, _ in group}
+    off_device = {id(e) for group in prep.host_groups for e, _ in group}
     for entry in prep.entries:
-        if id(entry) not in streamed:
+        if id(entry) not in off_device:
             _set_tensor(entry, places[id(entry)])
     for j, group in enumerate(prep.uva_groups):  # zero copy: the device reads the arena in place
         region = arena.region(len(prep.groups) + j)

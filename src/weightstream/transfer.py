@@ -118,8 +118,7 @@ class CudaTransfer(SyncTransfer):
             return
         got = self.prefetcher.take(group)
         if got is None:  # out of the reader's order: read now, copy synchronously from pageable memory
-            src = torch.empty(self.disk.group_bytes[group], dtype=torch.uint8)
-            self.disk.read_group(group, src)
+            src = self.disk.load(group)
             dst[: src.numel()].copy_(src)
             return
         src, index = got
