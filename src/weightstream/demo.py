@@ -89,7 +89,8 @@ def run_demo(device: str | None = None, fraction: float = 0.4, new_tokens: int =
     print(f"GPU memory allocated: {before} resident -> {after} offloaded")
     print(f"resident:  {new_tokens / resident_s:8.1f} tokens/s")
     print(f"offloaded: {new_tokens / offloaded_s:8.1f} tokens/s "
-          f"(eager generate, {stats.groups} blocks streamed)")
+          f"(eager generate; strategy {stats.strategy}: {stats.groups} blocks streamed, "
+          f"{format_size(stats.uva_bytes)} read in place)")
     print(f"tokens identical to the fully resident run: {'yes' if same else 'NO'}")
     handle.restore()
     return same
