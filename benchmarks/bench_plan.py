@@ -72,7 +72,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shape", choices=sorted(SHAPES), default="llama-3-8b")
     p.add_argument("--device", default="cuda")
-    p.add_argument("--budgets", default="0.25,0.5,0.75,1.0", help="fractions of the weight bytes")
+    p.add_argument("--budgets", default="1.0,0.25,0.5,0.75",
+                   help="fractions of the weight bytes, in run order (all-resident first: it checks compute)")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--prefill-tokens", type=int, default=2048)
     p.add_argument("--out", required=True)

@@ -40,3 +40,15 @@ def test_interpolation_between_measured_token_counts():
     profile = MachineProfile("t", 1.0, resident={1: 1.0, 100: 2.0}, uva={1: 1.0, 100: 1.0})
     assert profile.resident_seconds(1, 10) == pytest.approx(1.5)  # halfway in log(tokens)
     assert profile.resident_seconds(1, 400) == pytest.approx(8.0)  # beyond: grows with tokens
+
+
+def test_time_outside_the_gemms_is_added_to_every_block_by_width():
+    profile = MachineProfile("t", 1.0, resident={1: 0.1}, uva={1: 2.0}, block_extra={1: 0.5})
+    wide = ModelCost(fixed_bytes=0, head_bytes=0, block_bytes=(10, 10, 10, 10), width=2)
+    # resident: 4 x (1 s of GEMM + 2 x 0.5 s); without a width, GEMM time only
+    assert predict(wide, (), 0, (), 1, profile).ms == pytest.approx(8e3)
+    assert predict(MODEL, (), 0, (), 1, profile).ms == pytest.approx(4e3)
+    # zero copy: the read (20 s) then the block's other kernels (1 s), per block
+    assert predict(wide, (), 0, (0,), 1, profile).ms == pytest.approx((20 + 1) * 1e3 + 3 * 2e3)
+    # streamed through 2 slots: copies of 10 s still bound it; the last block ends 2 s after its copy
+    assert predict(wide, (0, 1, 2, 3), 2, (), 1, profile).ms == pytest.approx(42e3)

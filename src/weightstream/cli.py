@@ -83,19 +83,20 @@ def main(argv: list[str] | None = None) -> int:
 def _probe(refresh: bool) -> int:
     import torch
 
-    from .probe import cache_path, load_profile
+    from .probe import MachineProfile, cache_path, load_profile
 
     if not torch.cuda.is_available():
         print("weightstream probe: no CUDA GPU here; the planner uses the reference H200 profile")
         return 1
     path = cache_path(torch.cuda.get_device_name())
-    cached = path.is_file() and not refresh
+    cached = path.is_file() and not refresh and bool(MachineProfile.from_json(path.read_text()).block_extra)
     profile = load_profile("cuda", refresh=refresh)
     source = "cached" if cached else "measured"
     print(f"{profile.gpu}: host->GPU {profile.h2d_GBps:.1f} GB/s ({source}, {path})")
     for m in sorted(profile.resident):
         print(f"  {m:5d} tokens: resident GEMM {1e-9 / profile.resident[m]:8.1f} GB/s of weights, "
-              f"zero copy {1e-9 / profile.uva[m]:6.1f} GB/s")
+              f"zero copy {1e-9 / profile.uva[m]:6.1f} GB/s, a 4096-wide block "
+              f"{profile.block_extra_seconds(4096, m) * 1e3:.3f} ms outside its GEMMs")
     return 0
 
 

@@ -1,7 +1,8 @@
 """The cost model: predicted time of one forward for a placement. Pure logic, no CUDA.
 
 Blocks run in order on the compute stream. A resident block costs its GEMM time at the given tokens per
-forward; a zero-copy (uva) block costs the same GEMMs reading their weights over the link; a streamed
+forward plus what it spends outside its GEMMs (norms, attention, activations: measured per unit of
+activation width, so it needs the model's width); a zero-copy (uva) block costs the same GEMMs reading their weights over the link; a streamed
 block cannot start before its group's copy has landed, and each copy waits for the copy stream and for
 its slot to be released (the schedule of `schedule.py`, simulated with two clocks). Zero-copy reads
 and copies share the one link, so they never overlap each other. The LM head runs last. Rates come
@@ -23,6 +24,7 @@ class ModelCost:
     head_bytes: int  # the largest weight outside the blocks: the LM head GEMM dominates that part
     block_bytes: tuple[int, ...]  # each block's streamable bytes, in forward order
     slot_bytes: tuple[int, ...] = ()  # each block's staging footprint (aligned layout); default: its bytes
+    width: int = 0  # activation width (hidden size) of a block; 0: count GEMM time only
 
     def staging(self, block: int) -> int:
         """Bytes a slot needs to stage `block`."""
@@ -50,6 +52,7 @@ def predict(
     """Predict one forward of `tokens` tokens with blocks `streamed` (through `n_slots` slots) and
     `uva` (zero copy), the rest resident."""
     group_of = {block: g for g, block in enumerate(streamed)}
+    extra = profile.block_extra_seconds(model.width, tokens)  # every block, wherever its weights are
     uva_set = set(uva)
     done: dict[int, float] = {}  # group -> time its copy has landed
     compute = copy = 0.0
@@ -67,6 +70,7 @@ def predict(
             seconds = profile.uva_seconds(nbytes, tokens)
             compute = copy = max(compute, copy) + seconds
             link += seconds
+            compute += extra  # the block's other kernels read no weights: the link is free again
             continue
         g = group_of.get(block)
         if g == 0:
@@ -74,10 +78,10 @@ def predict(
                 start_copy(first, compute)  # the prologue, issued when the forward reaches group 0
         if g is not None:
             compute = max(compute, done[g])
-        compute += profile.resident_seconds(nbytes, tokens)
+        compute += profile.resident_seconds(nbytes, tokens) + extra
         if g is not None and g + n_slots < len(streamed):
             start_copy(g + n_slots, compute)  # released: the next group of this slot
     compute += profile.resident_seconds(model.head_bytes, tokens)
-    resident = sum(profile.resident_seconds(b, tokens) for b in model.block_bytes)
+    resident = sum(profile.resident_seconds(b, tokens) + extra for b in model.block_bytes)
     resident += profile.resident_seconds(model.head_bytes, tokens)
     return Prediction(compute * 1e3, resident * 1e3, link * 1e3, "link" if link >= resident else "compute")

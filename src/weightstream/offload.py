@@ -407,12 +407,20 @@ class Prepared:
         return self.group_bytes + self.uva_group_bytes
 
 
-def model_cost(entries: list[Entry], per_block: list[list[Entry]], slot_bytes: list[int]) -> ModelCost:
+def model_cost(entries: list[Entry], per_block: list[list[Entry]], slot_bytes: list[int], width: int = 0
+               ) -> ModelCost:
     """The cost model's view of a model: fixed bytes, LM head bytes, each block's streamable bytes and
-    staging footprint."""
+    staging footprint, and the blocks' activation width (0 when unknown)."""
     outside = [e.nbytes for e in entries if e.owner is None]
     block_bytes = tuple(sum(e.nbytes for e in group) for group in per_block)
-    return ModelCost(sum(outside), max(outside, default=0), block_bytes, tuple(slot_bytes))
+    return ModelCost(sum(outside), max(outside, default=0), block_bytes, tuple(slot_bytes), width)
+
+
+def activation_width(model: nn.Module) -> int:
+    """The hidden size of a transformers model (its config's `hidden_size`), else 0: the cost model
+    then counts GEMM time only."""
+    width = getattr(getattr(model, "config", None), "hidden_size", None)
+    return width if isinstance(width, int) and width > 0 else 0
 
 
 def prepare(
@@ -449,7 +457,7 @@ def prepare(
         raise ValueError(f"tokens={tokens}: give the tokens per forward to optimize for, at least 1")
     if strategy == "uva" and device.type == "cuda" and not pin_memory:
         raise ValueError("strategy='uva' reads pinned host memory in place: it needs pin_memory=True")
-    cost = model_cost(entries, per_block, [size for _, size in layouts])
+    cost = model_cost(entries, per_block, [size for _, size in layouts], activation_width(model))
     placement = plan(cost, budget, tokens, load_profile(device), strategy)
 
     def grouped(indices):

@@ -4,6 +4,9 @@ Three rates, as seconds per weight byte so the cost model can work in bytes:
 - host->GPU copy from pinned memory;
 - a GEMM whose weight is resident, at several tokens per forward (M);
 - the same GEMM reading its weight in place from pinned host memory (zero copy), at the same M.
+And what a block costs beyond its GEMMs (norms, rotary, attention over the sequence, activations,
+projections smaller than the probe's GEMM), per unit of activation width, from a Llama-style block
+timed in a CUDA graph.
 Cached per GPU model in $XDG_CACHE_HOME/weightstream (default ~/.cache/weightstream).
 """
 
@@ -14,7 +17,7 @@ import math
 import os
 import statistics
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -31,7 +34,8 @@ class MachineProfile:
     copy_s_per_byte: float
     resident: dict[int, float]
     uva: dict[int, float]
-    block_overhead_s: float = 0.0  # fixed cost of a block's small kernels (launch gaps, norms)
+    # tokens -> seconds per block per unit of activation width, beyond its GEMM time ({}: none known)
+    block_extra: dict[int, float] = field(default_factory=dict)
 
     @property
     def h2d_GBps(self) -> float:
@@ -43,11 +47,15 @@ class MachineProfile:
 
     def resident_seconds(self, nbytes: int, tokens: int) -> float:
         """Seconds for GEMMs over nbytes of resident weights at `tokens` tokens per forward."""
-        return nbytes * _interpolate(self.resident, tokens) + self.block_overhead_s
+        return nbytes * _interpolate(self.resident, tokens)
 
     def uva_seconds(self, nbytes: int, tokens: int) -> float:
         """Seconds for the same GEMMs reading their weights in place over the link."""
-        return nbytes * _interpolate(self.uva, tokens) + self.block_overhead_s
+        return nbytes * _interpolate(self.uva, tokens)
+
+    def block_extra_seconds(self, width: int, tokens: int) -> float:
+        """Seconds a block of activation width `width` (hidden size) spends outside its GEMMs."""
+        return width * _interpolate(self.block_extra, tokens) if self.block_extra and width else 0.0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
@@ -55,8 +63,9 @@ class MachineProfile:
     @classmethod
     def from_json(cls, text: str) -> MachineProfile:
         data = json.loads(text)
-        for key in ("resident", "uva"):
-            data[key] = {int(m): v for m, v in data[key].items()}
+        for key in ("resident", "uva", "block_extra"):
+            data[key] = {int(m): v for m, v in data.get(key, {}).items()}
+        data.pop("block_overhead_s", None)  # an earlier format's field, always 0
         return cls(**data)
 
 
@@ -109,8 +118,8 @@ def _time_ms(fn, reps: int = 10) -> float:
 
 
 def measure(device: torch.device | str = "cuda", progress: bool = True) -> MachineProfile:
-    """Measure this GPU: pinned copy bandwidth and bf16 GEMM time per weight byte, resident and zero
-    copy, at each M in TOKENS. Takes about ten seconds."""
+    """Measure this GPU: pinned copy bandwidth, bf16 GEMM time per weight byte (resident and zero
+    copy) and a block's time outside its GEMMs, at each M in TOKENS. Takes about ten seconds."""
     from .uva import uva_view
 
     device = torch.device(device)
@@ -128,7 +137,86 @@ def measure(device: torch.device | str = "cuda", progress: bool = True) -> Machi
         if progress:
             print(f"  M={m:5d}: resident {1e-9 / resident[m]:8.1f} GB/s of weights, zero copy "
                   f"{1e-9 / uva[m]:6.1f} GB/s", flush=True)
-    return MachineProfile(torch.cuda.get_device_name(device), copy_s_per_byte, resident, uva)
+    profile = MachineProfile(torch.cuda.get_device_name(device), copy_s_per_byte, resident, uva)
+    extra = block_extra(profile, device, progress)
+    return MachineProfile(profile.gpu, copy_s_per_byte, resident, uva, extra)
+
+
+# The reference block: Llama-3-8B's decoder layer (width 4096, 32 query and 8 key/value heads of 128,
+# MLP 14336), written as transformers' eager Llama layer runs it: fp32 RMSNorm, rotate-half rotary,
+# SDPA with grouped heads, SiLU-gated MLP.
+REF_WIDTH, REF_MLP, REF_HEADS, REF_KV_HEADS, REF_HEAD_DIM = 4096, 14336, 32, 8, 128
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def reference_block(device: torch.device):
+    """A Llama-3-8B-sized decoder layer with random bf16 weights: `(forward(x), weight_bytes)` where
+    forward maps activations (1, tokens, REF_WIDTH) to the same shape."""
+    def w(*shape):
+        return torch.randn(*shape, device=device, dtype=torch.bfloat16) * 0.02
+
+    kv = REF_KV_HEADS * REF_HEAD_DIM
+    wq, wk, wv, wo = w(REF_WIDTH, REF_WIDTH), w(kv, REF_WIDTH), w(kv, REF_WIDTH), w(REF_WIDTH, REF_WIDTH)
+    gate, up, down = w(REF_MLP, REF_WIDTH), w(REF_MLP, REF_WIDTH), w(REF_WIDTH, REF_MLP)
+    norm1, norm2 = torch.ones(REF_WIDTH, device=device, dtype=torch.bfloat16), torch.ones_like(wq[0])
+    gemm_bytes = sum(t.numel() * t.element_size() for t in (wq, wk, wv, wo, gate, up, down))
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[1]
+        angles = torch.arange(t, device=device, dtype=torch.float32)[:, None] * torch.linspace(
+            0, 1, REF_HEAD_DIM, device=device)[None, :]
+        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        h = _rms_norm(x, norm1)
+        q = (h @ wq.t()).view(1, t, REF_HEADS, REF_HEAD_DIM).transpose(1, 2)
+        k = (h @ wk.t()).view(1, t, REF_KV_HEADS, REF_HEAD_DIM).transpose(1, 2)
+        v = (h @ wv.t()).view(1, t, REF_KV_HEADS, REF_HEAD_DIM).transpose(1, 2)
+        a = torch.nn.functional.scaled_dot_product_attention(
+            _rotate(q, cos, sin), _rotate(k, cos, sin), v, is_causal=t > 1, enable_gqa=True)
+        x = x + a.transpose(1, 2).reshape(1, t, REF_WIDTH) @ wo.t()
+        h = _rms_norm(x, norm2)
+        return x + (torch.nn.functional.silu(h @ gate.t()) * (h @ up.t())) @ down.t()
+
+    return forward, gemm_bytes
+
+
+def block_extra(profile: MachineProfile, device: torch.device, progress: bool = False) -> dict[int, float]:
+    """Seconds per block per unit of width beyond the GEMM time `profile` predicts, at each M in
+    TOKENS: the reference block replayed from a CUDA graph (no launch gaps, as a captured or
+    compute-bound forward runs), minus its GEMM bytes at `profile`'s resident rate; never below 0."""
+    forward, gemm_bytes = reference_block(device)
+    extra = {}
+    for m in TOKENS:
+        x = torch.randn(1, m, REF_WIDTH, device=device, dtype=torch.bfloat16)
+        replay = _graphed(forward, x)
+        block_s = _time_ms(replay) / 1e3
+        extra[m] = max(0.0, block_s - profile.resident_seconds(gemm_bytes, m)) / REF_WIDTH
+        if progress:
+            print(f"  M={m:5d}: reference block {block_s * 1e3:7.3f} ms, of which "
+                  f"{extra[m] * REF_WIDTH * 1e3:6.3f} ms outside the GEMMs", flush=True)
+        del replay
+    return extra
+
+
+def _graphed(fn, x: torch.Tensor):
+    """fn(x) captured in a CUDA graph (after a side-stream warm-up); a function that replays it."""
+    side = torch.cuda.Stream(x.device)
+    side.wait_stream(torch.cuda.current_stream(x.device))
+    with torch.cuda.stream(side):
+        fn(x)
+    torch.cuda.current_stream(x.device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn(x)
+    return graph.replay
 
 
 def copy_seconds_per_byte(device: torch.device, nbytes: int = 2**30) -> float:
@@ -152,7 +240,9 @@ def load_profile(device: torch.device | str | None = None, refresh: bool = False
         return H200
     path = cache_path(torch.cuda.get_device_name(device))
     if path.is_file() and not refresh:
-        return MachineProfile.from_json(path.read_text())
+        cached = MachineProfile.from_json(path.read_text())
+        if cached.block_extra:  # a profile cached before block times were measured is re-measured
+            return cached
     print(f"weightstream: measuring this GPU for the planner (about ten seconds, once; cached in {path})",
           file=sys.stderr, flush=True)
     profile = measure(device, progress=False)

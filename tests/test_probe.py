@@ -1,0 +1,41 @@
+"""The machine profile: its JSON round trip, the block-time term, and the reference block (on CPU)."""
+
+import json
+
+import pytest
+import torch
+
+from weightstream.probe import H200, REF_WIDTH, MachineProfile, reference_block
+
+
+def test_profile_round_trips_through_json():
+    assert MachineProfile.from_json(H200.to_json()) == H200
+
+
+def test_a_profile_cached_before_block_times_loads_without_them():
+    old = json.loads(H200.to_json())
+    del old["block_extra"]
+    old["block_overhead_s"] = 0.0  # the earlier format's field
+    profile = MachineProfile.from_json(json.dumps(old))
+    assert profile.block_extra == {} and profile.block_extra_seconds(4096, 1) == 0.0
+
+
+def test_block_extra_scales_with_width_and_interpolates_in_tokens():
+    profile = MachineProfile("t", 1.0, {1: 1.0}, {1: 1.0}, block_extra={1: 1e-6, 100: 3e-6})
+    assert profile.block_extra_seconds(1000, 1) == pytest.approx(1e-3)
+    assert profile.block_extra_seconds(2000, 10) == pytest.approx(2000 * 2e-6)  # halfway in log(tokens)
+    assert profile.block_extra_seconds(0, 10) == 0.0  # unknown width: GEMM time only
+
+
+def test_reference_profile_has_block_times_for_every_token_count():
+    assert set(H200.block_extra) == set(H200.resident)
+    assert all(v >= 0 for v in H200.block_extra.values())
+
+
+def test_reference_block_keeps_the_activation_shape():
+    forward, gemm_bytes = reference_block(torch.device("cpu"))
+    # q, o: 4096^2; k, v: 1024 x 4096; gate, up, down: 14336 x 4096; bf16
+    assert gemm_bytes == 2 * (2 * 4096 * 4096 + 2 * 1024 * 4096 + 3 * 14336 * 4096)
+    x = torch.randn(1, 3, REF_WIDTH, dtype=torch.bfloat16)
+    y = forward(x)
+    assert y.shape == x.shape and y.dtype == x.dtype and torch.isfinite(y).all()
