@@ -11,8 +11,8 @@ from weightstream.probe import H200
 
 blocks_st = st.lists(st.integers(min_value=1, max_value=10**8), min_size=1, max_size=12)
 model_st = st.builds(
-    lambda fixed, blocks, pad, width: ModelCost(fixed, fixed // 2, tuple(blocks), tuple(b + pad for b in blocks),
-                                                width),
+    lambda fixed, blocks, pad, width: ModelCost(
+        fixed, fixed // 2, tuple(blocks), tuple(b + pad for b in blocks), width),
     st.integers(0, 10**8), blocks_st, st.integers(0, 4096), st.sampled_from([0, 1024, 8192]))
 tokens_st = st.sampled_from([1, 16, 512, 2048])
 strategy_st = st.sampled_from(["auto", "stream", "uva"])

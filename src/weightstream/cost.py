@@ -2,11 +2,11 @@
 
 Blocks run in order on the compute stream. A resident block costs its GEMM time at the given tokens per
 forward plus what it spends outside its GEMMs (norms, attention, activations: measured per unit of
-activation width, so it needs the model's width); a zero-copy (uva) block costs the same GEMMs reading their weights over the link; a streamed
-block cannot start before its group's copy has landed, and each copy waits for the copy stream and for
-its slot to be released (the schedule of `schedule.py`, simulated with two clocks). Zero-copy reads
-and copies share the one link, so they never overlap each other. The LM head runs last. Rates come
-from a `MachineProfile` (`probe.py`).
+activation width, so it needs the model's width); a zero-copy (uva) block costs the same GEMMs reading
+their weights over the link; a streamed block cannot start before its group's copy has landed, and each
+copy waits for the copy stream and for its slot to be released (the schedule of `schedule.py`, simulated
+with two clocks). Zero-copy reads and copies share the one link, so they never overlap each other. The
+LM head runs last. Rates come from a `MachineProfile` (`probe.py`).
 """
 
 from __future__ import annotations

@@ -16,6 +16,7 @@ import json
 import math
 import os
 import statistics
+import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -89,11 +90,13 @@ def _interpolate(table: dict[int, float], tokens: int) -> float:
 # `weightstream plan` on a machine without CUDA).
 H200 = MachineProfile(
     gpu="NVIDIA H200 (reference, benchmarks/results/plan_llama-3-8b.json)",
-    copy_s_per_byte=1.81937e-11,
-    resident={1: 4.029e-13, 16: 5.116e-13, 64: 4.783e-13, 256: 4.697e-13, 1024: 1.433e-12,
-              2048: 2.966e-12, 8192: 1.075e-11},
-    uva={1: 2.067e-11, 16: 1.989e-11, 64: 2.097e-11, 256: 4.03e-11, 1024: 8.062e-11, 2048: 1.604e-10,
-         8192: 7.65e-10},
+    copy_s_per_byte=1.81323e-11,
+    resident={1: 4.704e-13, 16: 4.437e-13, 64: 4.867e-13, 256: 5.71e-13,
+        1024: 1.567e-12, 2048: 2.854e-12, 8192: 1.15e-11},
+    uva={1: 2.06e-11, 16: 2.039e-11, 64: 2.118e-11, 256: 4.086e-11,
+        1024: 8.01e-11, 2048: 1.585e-10, 8192: 7.534e-10},
+    block_extra={1: 3.107e-09, 16: 1.26e-08, 64: 1.113e-08, 256: 2.094e-08,
+        1024: 4.996e-08, 2048: 1.206e-07, 8192: 5.616e-07},
 )
 
 
@@ -245,7 +248,28 @@ def load_profile(device: torch.device | str | None = None, refresh: bool = False
             return cached
     print(f"weightstream: measuring this GPU for the planner (about ten seconds, once; cached in {path})",
           file=sys.stderr, flush=True)
-    profile = measure(device, progress=False)
+    profile = measure_in_child(device)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(profile.to_json())
     return profile
+
+
+def measure_in_child(device: torch.device) -> MachineProfile:
+    """`measure(device)` run in a child process: its GPU buffers, pinned buffers and CUDA graphs never
+    enter this process's caching allocator or memory statistics (the caller may be mid-offload)."""
+    import weightstream
+
+    package_root = str(Path(weightstream.__file__).resolve().parent.parent)
+    path = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, PYTHONPATH=path)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    done = subprocess.run([sys.executable, "-m", "weightstream.probe", str(index)], env=env,
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"measuring cuda:{index} for the planner failed in a child process "
+                           f"({sys.executable} -m weightstream.probe {index}):\n{done.stderr[-2000:]}")
+    return MachineProfile.from_json(done.stdout)
+
+
+if __name__ == "__main__":  # the child of `measure_in_child`: the profile of cuda:<index> as JSON
+    print(measure(torch.device("cuda", int(sys.argv[1])), progress=False).to_json())
