@@ -6,8 +6,10 @@ Timings are never asserted (the CPU runs the synchronous backend); exactness and
 from __future__ import annotations
 
 import copy
+import glob
 import importlib.util
 import json
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -177,3 +179,32 @@ def test_bench_refuses_a_large_shape_without_cuda(capsys):
         pytest.skip("the refusal is for machines without CUDA")
     assert suite.main(["--shape", "llama-3-8b", "--out", "/nonexistent/never.json"]) == 1
     assert "--shape tiny" in capsys.readouterr().err
+
+
+def test_recorded_h200_results_are_valid_and_render():
+    """The committed H200 result files pass the schema and go into the page (notes included)."""
+    results = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results")
+    paths = sorted(glob.glob(os.path.join(results, "suite_*.json")))
+    assert paths, "no recorded suite results"
+    text = suite.markdown_table(suite.load_results(paths))
+    assert "ws-auto" in text and "accelerate-cpu_offload" in text
+    for path in paths:
+        section = suite._run_section(suite.load_results([path])[0], path)
+        with open(path) as f:
+            note = json.load(f).get("note")
+        assert note is None or note in section
+
+
+def test_bar_lines_compare_auto_with_the_peers(doc):
+    def row(method, phase, ms, ratio=None):
+        return {**doc["results"][0], "method": method, "phase": phase, "mode": "eager", "median_ms": ms,
+                "ratio": ratio, "link_bound_ms": 100.0, "error": None, "skipped": None}
+
+    rows = [row("ws-auto", "decode-b1", 100.0, 1.04), row("accelerate-cpu_offload", "decode-b1", 900.0),
+            row("accelerate-device_map", "decode-b1", 450.0), row("ws-auto", "prefill-8", 100.0),
+            row("ws-uva", "prefill-8", 150.0)]
+    fake = {**doc, "results": rows}
+    lines = suite.bar_lines([fake])
+    assert any("decode-b1" in x and "4.5x" in x and "NOT met" in x and "device_map" in x for x in lines)
+    assert any("1.040x the link bound" in x and "(met" in x for x in lines)
+    assert any("prefill-8" in x and "1.5x" in x and "NOT met: >= 2x" in x for x in lines)

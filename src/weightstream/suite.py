@@ -32,6 +32,7 @@ Result document (`validate` checks it; sizes in bytes, times in ms, bandwidth in
     skipped_methods: {method: reason} (import missing, needs CUDA, does not fit)
     timelines: [{method, phase, budget_bytes, mode, events: [[stream, label, start_ms, end_ms], ...]}]
     aborted: why the run stopped early (only when a method could not be undone)
+    note, command_note: optional text added by hand after the run (e.g. that a shell timeout cut it)
     results: [ResultRow as a dict, ...]: method, phase, budget_bytes, mode, median_ms, min_ms, max_ms,
         reps, tokens_per_s, link_bound_ms, ratio, exact, error, skipped (required), and context fields
 """
@@ -1036,7 +1037,50 @@ def _run_section(doc: dict, path: str) -> str:
              f"- methods not run: {skipped}"]
     if doc.get("aborted"):
         lines.append(f"- **run stopped early**: {doc['aborted']}")
+    for key in ("note", "command_note"):
+        if doc.get(key):
+            lines.append(f"- {key.replace('_', ' ')}: {doc[key]}")
     return "\n".join(lines)
+
+
+def _best(docs: list[dict], shape: str, phase: str, methods: tuple[str, ...]) -> dict | None:
+    """The fastest measured row of any of `methods` (any mode, budget and run) for a shape and phase."""
+    rows = [r for d in docs if d["shape"]["name"] == shape for r in d["results"]
+            if r["phase"] == phase and r["method"] in methods and r["median_ms"] is not None]
+    return min(rows, key=lambda r: r["median_ms"], default=None)
+
+
+def _label(row: dict | None) -> str:
+    return "not measured" if row is None else f"{row['median_ms']:.1f} ms ({row['method']} {row['mode']})"
+
+
+def bar_lines(docs: list[dict]) -> list[str]:
+    """Issue 5's bars, checked on stored results: per shape, weightstream `auto` (its fastest mode)
+    against accelerate's fastest method on each decode phase (>= 5x), against zero copy on each
+    prefill (>= 2x), and its ratio to the link bound on batch-1 decode (<= 1.05). One line each."""
+    accelerate = tuple(m.name for m in METHODS if m.name.startswith("accelerate-"))
+    lines = []
+    for shape in dict.fromkeys(d["shape"]["name"] for d in docs):
+        phases = dict.fromkeys(r["phase"] for d in docs if d["shape"]["name"] == shape for r in d["results"])
+        for phase in phases:
+            auto = _best(docs, shape, phase, ("ws-auto",))
+            other = (_best(docs, shape, phase, accelerate) if phase.startswith("decode")
+                     else _best(docs, shape, phase, ("ws-uva",)))
+            need = 5 if phase.startswith("decode") else 2
+            if auto and other:
+                speedup = other["median_ms"] / auto["median_ms"]
+                verdict = f"**{speedup:.1f}x** ({'met' if speedup >= need else 'NOT met'}: >= {need}x)"
+            else:
+                verdict = "cannot be checked: a side was not measured"
+            missing = [m for m in accelerate if phase.startswith("decode") and not _best(docs, shape, phase, (m,))]
+            if missing:
+                verdict += f"; not measured here: {', '.join(missing)}"
+            lines.append(f"- {shape} {phase}: ws-auto {_label(auto)} vs {_label(other)}: {verdict}")
+            if phase == "decode-b1" and auto and auto["ratio"] is not None:
+                ok = "met" if auto["ratio"] <= 1.05 else "NOT met"
+                lines.append(f"- {shape} {phase}: ws-auto at {auto['ratio']:.3f}x the link bound "
+                             f"({auto['link_bound_ms']:.1f} ms) ({ok}: <= 1.05)")
+    return lines
 
 
 def load_results(paths: list[str]) -> list[dict]:
@@ -1057,7 +1101,7 @@ def write_benchmarks_md(result_paths: list[str], md_path: str, images: list[str]
     Returns the text."""
     docs = load_results(result_paths)
     here = os.path.dirname(os.path.abspath(md_path))
-    parts = [REPORT_HEADER.strip()]
+    parts = [REPORT_HEADER.strip(), "## The bars, checked on these results\n\n" + "\n".join(bar_lines(docs))]
     parts += [_run_section(doc, path) for doc, path in zip(docs, result_paths, strict=True)]
     parts += [f"![{os.path.basename(p)}]({os.path.relpath(os.path.abspath(p), here)})" for p in images]
     parts.append(markdown_table(docs))
