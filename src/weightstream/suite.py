@@ -1072,7 +1072,8 @@ def bar_lines(docs: list[dict]) -> list[str]:
                 verdict = f"**{speedup:.1f}x** ({'met' if speedup >= need else 'NOT met'}: >= {need}x)"
             else:
                 verdict = "cannot be checked: a side was not measured"
-            missing = [m for m in accelerate if phase.startswith("decode") and not _best(docs, shape, phase, (m,))]
+            decode = phase.startswith("decode")
+            missing = [m for m in accelerate if decode and not _best(docs, shape, phase, (m,))]
             if missing:
                 verdict += f"; not measured here: {', '.join(missing)}"
             lines.append(f"- {shape} {phase}: ws-auto {_label(auto)} vs {_label(other)}: {verdict}")
