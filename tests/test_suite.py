@@ -208,3 +208,14 @@ def test_bar_lines_compare_auto_with_the_peers(doc):
     assert any("decode-b1" in x and "4.5x" in x and "NOT met" in x and "device_map" in x for x in lines)
     assert any("1.040x the link bound" in x and "(met" in x for x in lines)
     assert any("prefill-8" in x and "1.5x" in x and "NOT met: >= 2x" in x for x in lines)
+
+
+def test_max_seconds_records_what_was_not_run_and_ends_cleanly(tmp_path):
+    path = str(tmp_path / "cut.json")
+    doc = suite.run_suite("tiny", [0.5], ["decode-b1", "prefill-8"], ["resident", "ws-stream"], ["eager"], 1,
+                          "cpu", path, command="test", max_seconds=1e-9)
+    assert suite.validate(doc) is doc and doc["max_seconds"] == 1e-9 and not doc.get("aborted")
+    assert len(doc["results"]) == 4  # every method x phase x mode has a row, none measured
+    assert all(r["skipped"].startswith("not run: the run's --max-seconds") for r in doc["results"])
+    with pytest.raises(ValueError, match="max_seconds"):
+        suite.run_suite("tiny", [0.5], ["decode-b1"], ["resident"], ["eager"], 1, "cpu", path, max_seconds=0)

@@ -32,6 +32,7 @@ Result document (`validate` checks it; sizes in bytes, times in ms, bandwidth in
     skipped_methods: {method: reason} (import missing, needs CUDA, does not fit)
     timelines: [{method, phase, budget_bytes, mode, events: [[stream, label, start_ms, end_ms], ...]}]
     aborted: why the run stopped early (only when a method could not be undone)
+    max_seconds: the run's time budget (None: none); measurements past it are rows with `skipped`
     note, command_note: optional text added by hand after the run (e.g. that a shell timeout cut it)
     results: [ResultRow as a dict, ...]: method, phase, budget_bytes, mode, median_ms, min_ms, max_ms,
         reps, tokens_per_s, link_bound_ms, ratio, exact, error, skipped (required), and context fields
@@ -553,6 +554,7 @@ class Suite:
     out_path: str
     timeline: bool
     refs: dict[tuple[str, str], tuple[str, torch.Tensor]] = field(default_factory=dict)
+    stop_at: float | None = None  # time.monotonic() after which no method is prepared any more
 
 
 def write_json(doc: dict, path: str) -> None:
@@ -714,6 +716,12 @@ def run_method(suite: Suite, method: Method, budgets: list[int]) -> bool:
     log(f"== {method.name}: {method.about}")
     for budget in budgets if method.uses_budget else [None]:
         for phase in suite.phases:
+            if suite.stop_at is not None and time.monotonic() > suite.stop_at:
+                reason = f"not run: the run's --max-seconds were spent ({suite.doc['max_seconds']} s)"
+                for mode in suite.modes:
+                    add_row(suite, ResultRow(method.name, phase.name, budget, mode, tokens=phase.tokens,
+                                             skipped=reason))
+                continue
             if not run_prepared(suite, method, phase, budget):
                 return False
     return True
@@ -773,6 +781,7 @@ def run_suite(
     timeline: bool = True,
     emulate_precision_casts: bool = False,
     command: str | None = None,
+    max_seconds: float | None = None,
 ) -> dict:
     """Run every method x budget x phase x mode on one model of `shape` and write the result document
     to `out_path` after each measurement; return the document.
@@ -784,24 +793,33 @@ def run_suite(
     weightstream method's eager forward at the first budget (CUDA only). emulate_precision_casts: set
     Inductor's flag of that name for every compile, so compiled code rounds to bf16 where eager does
     (benchmarks/README.md: without it, fusion across block boundaries can differ by one ulp).
+    max_seconds: prepare no method after this many seconds from the start; the measurements not made
+    are recorded as skipped (a run ends cleanly inside a command's time limit; one method and phase
+    already started runs to its end).
     """
     import torch._inductor.config
 
     previous = torch._inductor.config.emulate_precision_casts
     torch._inductor.config.emulate_precision_casts = emulate_precision_casts
     try:
+        stop_at = None if max_seconds is None else time.monotonic() + max_seconds
         return _run(shape, budgets, phases, methods, modes, reps, _resolve(device), out_path, seed, timeline,
-                    command)
+                    command, stop_at, max_seconds)
     finally:
         torch._inductor.config.emulate_precision_casts = previous
 
 
-def _run(shape, budgets, phases, methods, modes, reps, device, out_path, seed, timeline, command) -> dict:
+def _run(shape, budgets, phases, methods, modes, reps, device, out_path, seed, timeline, command, stop_at,
+         max_seconds) -> dict:
     """The body of `run_suite`, with the Inductor flag set."""
     _check_names(methods, [m.name for m in METHODS], "method")
     _check_names(modes, list(MODES), "mode")
+    if max_seconds is not None and max_seconds <= 0:
+        raise ValueError(f"max_seconds={max_seconds}: give a positive number of seconds, or none")
     suite = _start(shape, budgets, [parse_phase(p) for p in phases], modes, reps, device, out_path, seed,
                    timeline, command)
+    suite.stop_at = stop_at
+    suite.doc["max_seconds"] = max_seconds
     suite.doc["skipped_methods"] = {k: v for k, v in unavailable().items() if k in methods}
     write_json(suite.doc, out_path)
     for method in METHODS:
@@ -1148,6 +1166,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=10, help="timed forwards per measurement")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-seconds", type=float, default=None,
+                   help="prepare no method after this many seconds; the rest is recorded as skipped")
     p.add_argument("--no-timeline", action="store_true", help="skip the profiler timelines (CUDA only)")
     p.add_argument("--emulate-precision-casts", action="store_true",
                    help="Inductor rounds to bf16 where eager does (compiled exactness, benchmarks/README.md)")
@@ -1181,7 +1201,7 @@ def main(argv: list[str] | None = None) -> int:
         doc = run_suite(args.shape, args.budgets, args.phases, args.methods, args.modes, args.reps, device,
                         out, seed=args.seed, timeline=not args.no_timeline,
                         emulate_precision_casts=args.emulate_precision_casts,
-                        command="weightstream bench " + shlex.join(argv))
+                        command="weightstream bench " + shlex.join(argv), max_seconds=args.max_seconds)
     except (ValueError, OSError) as err:
         print(f"weightstream bench: {err}", file=sys.stderr)
         return 1

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# One part of the H200 benchmark suite per call, each inside the device's 10-minute command limit.
+# Usage (from the repository root, with diffusers' wheel in .whl/ and $OUT set by the device tool):
+#   bash benchmarks/suite_h200.sh PART
+# Parts: verify | llama-ws | llama-uva | llama-peers | qwen-ws | qwen-peers | mixtral-ws | mixtral-peers
+# Each writes its JSON and log under $OUT; copy them to benchmarks/results/ and run
+# `weightstream bench --report ...` (benchmarks/README.md) to regenerate docs/benchmarks.md.
+set -euo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:?set OUT to the folder for results}
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+fi
+export PYTHONPATH=src:/tmp/site
+bench() {  # bench NAME MAX_SECONDS ARGS...: one suite run, stopped cleanly after MAX_SECONDS
+    local name=$1 max=$2
+    shift 2
+    python3 -m weightstream bench --max-seconds "$max" --out "$OUT/suite_$name.json" "$@" 2>&1 \
+        | tee "$OUT/suite_$name.log" | grep "^\[" || true
+}
+PEERS=accelerate-cpu_offload,accelerate-device_map,diffusers-group
+case ${1:?give a part} in
+verify)  # every GPU test, then the planner sweep (placements now parameter-granular)
+    python3 -m pytest -m gpu -q -p no:cacheprovider tests/ 2>&1 | tee "$OUT/gpu_tests_h200.log" | tail -3
+    python3 benchmarks/bench_plan.py --reps 5 --out "$OUT/plan_llama-3-8b.json" 2>&1 \
+        | tee "$OUT/plan_llama-3-8b.log" | tail -30 ;;
+llama-ws)
+    bench llama-3-8b_auto 380 --shape llama-3-8b --budgets 0.25 --methods resident,ws-auto --reps 10 \
+        --emulate-precision-casts ;;
+llama-uva)
+    bench llama-3-8b_uva 400 --shape llama-3-8b --budgets 0.25 --phases decode-b1,decode-b64,prefill-2048 \
+        --methods resident,ws-uva --reps 5 --no-timeline --emulate-precision-casts ;;
+llama-peers)
+    bench llama-3-8b_peers 420 --shape llama-3-8b --budgets 0.25 --modes eager,compiled --reps 5 \
+        --no-timeline --methods "resident,$PEERS" ;;
+qwen-ws)
+    bench qwen2.5-32b_auto 420 --shape qwen2.5-32b --budgets 0.25 --phases decode-b1,prefill-2048 \
+        --methods resident,ws-auto --reps 5 --no-timeline --emulate-precision-casts ;;
+qwen-peers)
+    bench qwen2.5-32b_peers 420 --shape qwen2.5-32b --budgets 0.25 --phases decode-b1,prefill-2048 \
+        --modes eager --reps 3 --no-timeline --methods "resident,$PEERS" ;;
+mixtral-ws)
+    bench mixtral-8x7b_auto 420 --shape mixtral-8x7b --budgets 0.25 --phases decode-b1,prefill-2048 \
+        --methods resident,ws-auto --reps 5 --no-timeline --emulate-precision-casts ;;
+mixtral-peers)
+    bench mixtral-8x7b_peers 420 --shape mixtral-8x7b --budgets 0.25 --phases decode-b1,prefill-2048 \
+        --modes eager --reps 3 --no-timeline --methods "resident,$PEERS" ;;
+*)
+    echo "unknown part $1" >&2
+    exit 2 ;;
+esac
