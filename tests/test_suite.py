@@ -219,3 +219,10 @@ def test_max_seconds_records_what_was_not_run_and_ends_cleanly(tmp_path):
     assert all(r["skipped"].startswith("not run: the run's --max-seconds") for r in doc["results"])
     with pytest.raises(ValueError, match="max_seconds"):
         suite.run_suite("tiny", [0.5], ["decode-b1"], ["resident"], ["eager"], 1, "cpu", path, max_seconds=0)
+
+
+def test_a_moe_shape_runs_through_the_harness_exactly(tmp_path):
+    doc = suite.run_suite("tiny-moe", [0.5], ["decode-b1"], ["resident", "ws-stream"], ["eager"], 1, "cpu",
+                          str(tmp_path / "moe.json"), command="test")
+    (row,) = [r for r in doc["results"] if r["method"] == "ws-stream"]
+    assert row["exact"] is True and row["reference"] == "resident eager" and row["setup"]["link_bytes"] > 0

@@ -73,7 +73,11 @@ TINY = dict(
     model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
     num_key_value_heads=2, vocab_size=256,
 )
-SUITE_SHAPES = {**SHAPES, "tiny": TINY}
+TINY_MOE = dict(  # the same, as a Mixtral: expert weights fused per block, routing by the input
+    model_type="mixtral", hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, vocab_size=256, num_local_experts=4, num_experts_per_tok=2,
+)
+SUITE_SHAPES = {**SHAPES, "tiny": TINY, "tiny-moe": TINY_MOE}
 HEADROOM_BYTES = 6 * 2**30  # GPU memory kept free for activations when deciding whether a shape fits
 SLOW_CALL_S = 1.0  # a warm call slower than this (seconds) is timed SLOW_REPS times at most
 SLOW_REPS = 3
@@ -1195,8 +1199,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {args.md} and plots in {args.png_dir}")
             return 0
         device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        if device == "cpu" and args.shape != "tiny":
-            raise ValueError("without CUDA, run the harness on --shape tiny (a correctness smoke test)")
+        if device == "cpu" and not args.shape.startswith("tiny"):
+            raise ValueError("without CUDA, run the harness on --shape tiny or tiny-moe (a correctness smoke "
+                             "test)")
         out = args.out or f"benchmarks/results/suite_{args.shape}.json"
         doc = run_suite(args.shape, args.budgets, args.phases, args.methods, args.modes, args.reps, device,
                         out, seed=args.seed, timeline=not args.no_timeline,
