@@ -2,7 +2,8 @@
 # One part of the H200 benchmark suite per call, each inside the device's 10-minute command limit.
 # Usage (from the repository root, with diffusers' wheel in .whl/ and $OUT set by the device tool):
 #   bash benchmarks/suite_h200.sh PART
-# Parts: verify | llama-ws | llama-uva | llama-peers | qwen-ws | qwen-peers | mixtral-ws | mixtral-peers
+# Parts: verify | llama-ws | llama-uva | llama-peers | qwen-ws | qwen-peers | mixtral-ws | mixtral-accelerate
+#        | mixtral-diffusers
 # Each writes its JSON and log under $OUT; copy them to benchmarks/results/ and run
 # `weightstream bench --report ...` (benchmarks/README.md) to regenerate docs/benchmarks.md.
 set -euo pipefail
@@ -18,7 +19,6 @@ bench() {  # bench NAME MAX_SECONDS ARGS...: one suite run, stopped cleanly afte
     python3 -m weightstream bench --max-seconds "$max" --out "$OUT/suite_$name.json" "$@" 2>&1 \
         | tee "$OUT/suite_$name.log" | grep "^\[" || true
 }
-PEERS=accelerate-cpu_offload,accelerate-device_map,diffusers-group
 case ${1:?give a part} in
 verify)  # every GPU test, then the planner sweep (placements now parameter-granular)
     python3 -m pytest -m gpu -q -p no:cacheprovider tests/ 2>&1 | tee "$OUT/gpu_tests_h200.log" | tail -3
@@ -32,19 +32,22 @@ llama-uva)
         --methods resident,ws-uva --reps 5 --no-timeline --emulate-precision-casts ;;
 llama-peers)
     bench llama-3-8b_peers 420 --shape llama-3-8b --budgets 0.25 --modes eager,compiled --reps 5 \
-        --no-timeline --methods "resident,$PEERS" ;;
+        --no-timeline --methods resident,accelerate-cpu_offload,accelerate-device_map,diffusers-group ;;
 qwen-ws)
     bench qwen2.5-32b_auto 420 --shape qwen2.5-32b --budgets 0.25 --phases decode-b1,prefill-2048 \
         --methods resident,ws-auto --reps 5 --no-timeline --emulate-precision-casts ;;
-qwen-peers)
+qwen-peers)  # accelerate cpu_offload on this shape is on record (suite_qwen2.5-32b.json)
     bench qwen2.5-32b_peers 420 --shape qwen2.5-32b --budgets 0.25 --phases decode-b1,prefill-2048 \
-        --modes eager --reps 3 --no-timeline --methods "resident,$PEERS" ;;
+        --modes eager --reps 3 --no-timeline --methods resident,accelerate-device_map,diffusers-group ;;
 mixtral-ws)
     bench mixtral-8x7b_auto 420 --shape mixtral-8x7b --budgets 0.25 --phases decode-b1,prefill-2048 \
         --methods resident,ws-auto --reps 5 --no-timeline --emulate-precision-casts ;;
-mixtral-peers)
-    bench mixtral-8x7b_peers 420 --shape mixtral-8x7b --budgets 0.25 --phases decode-b1,prefill-2048 \
-        --modes eager --reps 3 --no-timeline --methods "resident,$PEERS" ;;
+mixtral-accelerate)
+    bench mixtral-8x7b_accelerate 400 --shape mixtral-8x7b --budgets 0.25 --phases decode-b1,prefill-2048 \
+        --modes eager --reps 3 --no-timeline --methods resident,accelerate-cpu_offload,accelerate-device_map ;;
+mixtral-diffusers)
+    bench mixtral-8x7b_diffusers 400 --shape mixtral-8x7b --budgets 0.25 --phases decode-b1,prefill-2048 \
+        --modes eager --reps 3 --no-timeline --methods resident,diffusers-group ;;
 *)
     echo "unknown part $1" >&2
     exit 2 ;;
