@@ -805,20 +805,20 @@ def run_suite(
     previous = torch._inductor.config.emulate_precision_casts
     torch._inductor.config.emulate_precision_casts = emulate_precision_casts
     try:
-        stop_at = None if max_seconds is None else time.monotonic() + max_seconds
         return _run(shape, budgets, phases, methods, modes, reps, _resolve(device), out_path, seed, timeline,
-                    command, stop_at, max_seconds)
+                    command, max_seconds)
     finally:
         torch._inductor.config.emulate_precision_casts = previous
 
 
-def _run(shape, budgets, phases, methods, modes, reps, device, out_path, seed, timeline, command, stop_at,
+def _run(shape, budgets, phases, methods, modes, reps, device, out_path, seed, timeline, command,
          max_seconds) -> dict:
     """The body of `run_suite`, with the Inductor flag set."""
     _check_names(methods, [m.name for m in METHODS], "method")
     _check_names(modes, list(MODES), "mode")
     if max_seconds is not None and max_seconds <= 0:
         raise ValueError(f"max_seconds={max_seconds}: give a positive number of seconds, or none")
+    stop_at = None if max_seconds is None else time.monotonic() + max_seconds
     suite = _start(shape, budgets, [parse_phase(p) for p in phases], modes, reps, device, out_path, seed,
                    timeline, command)
     suite.stop_at = stop_at
@@ -1085,16 +1085,15 @@ def bar_lines(docs: list[dict]) -> list[str]:
     for shape in dict.fromkeys(d["shape"]["name"] for d in docs):
         phases = dict.fromkeys(r["phase"] for d in docs if d["shape"]["name"] == shape for r in d["results"])
         for phase in phases:
+            decode = phase.startswith("decode")
             auto = _best(docs, shape, phase, ("ws-auto",))
-            other = (_best(docs, shape, phase, accelerate) if phase.startswith("decode")
-                     else _best(docs, shape, phase, ("ws-uva",)))
-            need = 5 if phase.startswith("decode") else 2
+            other = _best(docs, shape, phase, accelerate if decode else ("ws-uva",))
+            need = 5 if decode else 2
             if auto and other:
                 speedup = other["median_ms"] / auto["median_ms"]
                 verdict = f"**{speedup:.1f}x** ({'met' if speedup >= need else 'NOT met'}: >= {need}x)"
             else:
                 verdict = "cannot be checked: a side was not measured"
-            decode = phase.startswith("decode")
             missing = [m for m in accelerate if decode and not _best(docs, shape, phase, (m,))]
             if missing:
                 verdict += f"; not measured here: {', '.join(missing)}"
