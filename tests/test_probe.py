@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from weightstream.probe import H200, REF_WIDTH, MachineProfile, reference_block
+from weightstream.probe import H200, REF_WIDTH, MachineProfile, cached_profile, reference_block
 
 
 def test_profile_round_trips_through_json():
@@ -39,3 +39,14 @@ def test_reference_block_keeps_the_activation_shape():
     x = torch.randn(1, 3, REF_WIDTH, dtype=torch.bfloat16)
     y = forward(x)
     assert y.shape == x.shape and y.dtype == x.dtype and torch.isfinite(y).all()
+
+
+def test_a_cached_profile_counts_only_with_block_times(tmp_path):
+    path = tmp_path / "profile.json"
+    assert cached_profile(path) is None  # nothing cached
+    path.write_text(H200.to_json())
+    assert cached_profile(path) == H200
+    old = json.loads(H200.to_json())
+    del old["block_extra"]
+    path.write_text(json.dumps(old))
+    assert cached_profile(path) is None  # cached before block times: measured again

@@ -83,13 +83,13 @@ def main(argv: list[str] | None = None) -> int:
 def _probe(refresh: bool) -> int:
     import torch
 
-    from .probe import MachineProfile, cache_path, load_profile
+    from .probe import cache_path, cached_profile, load_profile
 
     if not torch.cuda.is_available():
         print("weightstream probe: no CUDA GPU here; the planner uses the reference H200 profile")
         return 1
     path = cache_path(torch.cuda.get_device_name())
-    cached = path.is_file() and not refresh and bool(MachineProfile.from_json(path.read_text()).block_extra)
+    cached = not refresh and cached_profile(path) is not None
     profile = load_profile("cuda", refresh=refresh)
     source = "cached" if cached else "measured"
     print(f"{profile.gpu}: host->GPU {profile.h2d_GBps:.1f} GB/s ({source}, {path})")

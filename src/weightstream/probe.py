@@ -235,6 +235,15 @@ def cache_path(gpu: str) -> Path:
     return root / ("profile-" + "".join(c if c.isalnum() else "_" for c in gpu) + ".json")
 
 
+def cached_profile(path: Path) -> MachineProfile | None:
+    """The profile cached at `path`, or None when there is none or it predates block times (such a
+    profile is measured again)."""
+    if not path.is_file():
+        return None
+    profile = MachineProfile.from_json(path.read_text())
+    return profile if profile.block_extra else None
+
+
 def load_profile(device: torch.device | str | None = None, refresh: bool = False) -> MachineProfile:
     """This GPU's profile from the cache, measured (and cached) when absent or when `refresh`. Without
     CUDA, the reference H200 profile."""
@@ -242,10 +251,9 @@ def load_profile(device: torch.device | str | None = None, refresh: bool = False
     if device.type != "cuda":
         return H200
     path = cache_path(torch.cuda.get_device_name(device))
-    if path.is_file() and not refresh:
-        cached = MachineProfile.from_json(path.read_text())
-        if cached.block_extra:  # a profile cached before block times were measured is re-measured
-            return cached
+    cached = None if refresh else cached_profile(path)
+    if cached is not None:
+        return cached
     print(f"weightstream: measuring this GPU for the planner (about ten seconds, once; cached in {path})",
           file=sys.stderr, flush=True)
     profile = measure_in_child(device)
