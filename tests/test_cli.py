@@ -30,6 +30,11 @@ def test_plan_prints_a_table_and_json_that_respects_the_budget(capsys):
     placed = report["resident"]["blocks"] + report["streamed"]["blocks"] + report["zero_copy"]["blocks"]
     assert sorted(placed) == list(range(32))
     assert report["predicted"]["prefill_2048"]["ms"] >= report["predicted"]["decode"]["ms"]
+    # bytes on the GPU and over the link add up to the weights, a block streaming only part of itself too
+    assert report["resident"]["bytes"] + report["streamed"]["bytes"] + report["zero_copy"]["bytes"] == (
+        report["weight_bytes"])
+    part = report["streamed"]["largest_tensors_per_block"]
+    assert part is None or (part >= 1 and "largest tensors" in table)
 
 
 def test_plan_reports_a_budget_too_small_and_an_unknown_model(capsys):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from weightstream.cost import ModelCost, predict
+from weightstream.cost import ModelCost, largest, predict
 from weightstream.probe import MachineProfile
 
 # 1 byte/s copies; resident GEMMs 0.1 s/byte; zero copy 2 s/byte: easy arithmetic
@@ -52,3 +52,18 @@ def test_time_outside_the_gemms_is_added_to_every_block_by_width():
     assert predict(wide, (), 0, (0,), 1, profile).ms == pytest.approx((20 + 1) * 1e3 + 3 * 2e3)
     # streamed through 2 slots: copies of 10 s still bound it; the last block ends 2 s after its copy
     assert predict(wide, (0, 1, 2, 3), 2, (), 1, profile).ms == pytest.approx(42e3)
+
+
+def test_largest_picks_the_biggest_tensors_in_position_order():
+    assert largest((256, 2048, 256, 4096), 2) == (1, 3)
+    assert largest((5, 5, 1), 1) == (0,)  # ties: the earlier one
+    assert largest((1, 2), 0) == largest((1, 2), 5) == (0, 1)  # 0 or too many: the whole block
+
+
+def test_a_block_streaming_part_of_itself_copies_only_that_part():
+    model = ModelCost(fixed_bytes=0, head_bytes=0, block_bytes=(10, 10), tensor_bytes=((2, 8), (2, 8)))
+    assert model.streamed_bytes(0, 1) == 8 and model.streamed_bytes(0) == 10
+    assert model.staging(0, 1) == 8 and model.staging(0) == 10
+    # two slots, copies of 8 s: the second lands at 16; each block still computes all its 10 bytes (1 s)
+    assert predict(model, (0, 1), 2, (), 1, PROFILE, part=1).ms == pytest.approx(17e3)
+    assert predict(model, (0, 1), 2, (), 1, PROFILE).ms == pytest.approx(21e3)

@@ -177,5 +177,5 @@ def test_disk_tier_needs_room_for_its_bounce_buffers(tmp_path):
 def test_disk_tier_refuses_a_dtype_change(tmp_path):
     folder = save(make_model("llama"), tmp_path)
     with pytest.raises(ws.CheckpointError, match="dtype='float32'"):
-        ws.from_pretrained(folder, gpu_memory="200KB", cpu_memory="150KB", dtype="bfloat16", device="cpu",
+        ws.from_pretrained(folder, gpu_memory="200KB", cpu_memory="100KB", dtype="bfloat16", device="cpu",
                            strategy="stream")

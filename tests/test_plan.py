@@ -6,6 +6,7 @@ from hypothesis import strategies as st
 
 from weightstream.cost import ModelCost
 from weightstream.errors import BudgetError
+from weightstream.layout import pack
 from weightstream.plan import plan, spread
 from weightstream.probe import H200
 
@@ -14,6 +15,21 @@ model_st = st.builds(
     lambda fixed, blocks, pad, width: ModelCost(
         fixed, fixed // 2, tuple(blocks), tuple(b + pad for b in blocks), width),
     st.integers(0, 10**8), blocks_st, st.integers(0, 4096), st.sampled_from([0, 1024, 8192]))
+
+
+
+def _with_tensors(fixed, blocks, width):
+    """A model whose blocks are lists of tensor sizes: parameter-granular placement is possible."""
+    sizes = tuple(tuple(t) for t in blocks)
+    return ModelCost(fixed, fixed // 2, tuple(map(sum, sizes)), tuple(pack(list(t))[1] for t in sizes), width,
+                     sizes)
+
+
+tensors_model_st = st.builds(
+    _with_tensors, st.integers(0, 10**8),
+    st.lists(st.lists(st.integers(1, 5 * 10**7), min_size=1, max_size=5), min_size=1, max_size=10),
+    st.sampled_from([0, 4096]))
+model_st = st.one_of(model_st, tensors_model_st)
 tokens_st = st.sampled_from([1, 16, 512, 2048])
 strategy_st = st.sampled_from(["auto", "stream", "uva"])
 
@@ -31,8 +47,9 @@ def test_placement_respects_budget_and_places_each_block_once(model, budget, tok
     assert not set(p.streamed) & set(p.uva)
     assert len(set(p.streamed)) == len(p.streamed) and len(set(p.uva)) == len(p.uva)
     assert all(0 <= i < len(sizes) for i in p.streamed + p.uva)
-    resident = [b for i, b in enumerate(sizes) if i not in p.streamed and i not in p.uva]
-    assert p.resident_bytes == model.fixed_bytes + sum(resident)
+    if not p.part:
+        resident = [b for i, b in enumerate(sizes) if i not in p.streamed and i not in p.uva]
+        assert p.resident_bytes == model.fixed_bytes + sum(resident)
     assert p.resident_bytes + p.streamed_bytes == model.fixed_bytes + sum(sizes)
     assert p.uva_bytes == sum(sizes[i] for i in p.uva)
     if strategy == "stream":
@@ -40,8 +57,11 @@ def test_placement_respects_budget_and_places_each_block_once(model, budget, tok
     if strategy == "uva":
         assert not p.streamed and p.n_slots == 0
     if p.streamed:
-        assert p.slot_bytes == max(model.staging(i) for i in p.streamed)
+        assert p.slot_bytes == max(model.staging(i, p.part) for i in p.streamed)
         assert 1 <= p.n_slots <= min(2, len(p.streamed))
+    streamed = sum(model.streamed_bytes(i, p.part) for i in p.streamed)
+    assert p.resident_bytes + streamed + p.uva_bytes == model.fixed_bytes + sum(sizes)
+    assert p.part == 0 or (model.tensor_bytes and not p.uva)
 
 
 @settings(max_examples=200, deadline=None)
@@ -111,3 +131,13 @@ def test_spread_gives_k_distinct_indices(n, data):
     k = data.draw(st.integers(0, n))
     picked = spread(n, k)
     assert len(picked) == k and all(0 <= i < n for i in picked)
+
+
+def test_streaming_the_largest_tensors_of_every_block_fills_the_budget_closer():
+    # four blocks of a 2048-byte "MLP" between two 256-byte tensors; a budget of 4096 bytes. Whole
+    # blocks need a 2560-byte slot and leave no room for a resident block: all 10240 bytes stream.
+    # Streaming each block's MLP through one 2048-byte slot keeps the eight small tensors resident.
+    model = _with_tensors(0, [[256, 2048, 256]] * 4, 0)
+    p = plan(model, budget=4096, tokens=1, profile=H200, strategy="stream")
+    assert p.part == 1 and p.streamed == (0, 1, 2, 3) and p.n_slots == 1
+    assert p.resident_bytes == 8 * 256 and p.slot_bytes == 2048 and p.gpu_bytes == 4096

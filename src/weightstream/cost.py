@@ -13,7 +13,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .layout import pack
 from .probe import MachineProfile
+
+
+def largest(sizes: tuple[int, ...], part: int) -> tuple[int, ...]:
+    """Positions of the `part` largest of `sizes` (ties: the earlier one), in position order; all of
+    them when part is 0 or at least len(sizes). In a transformer block the largest tensors are the
+    MLP's, so streaming a block's largest tensors keeps its attention resident."""
+    if part <= 0 or part >= len(sizes):
+        return tuple(range(len(sizes)))
+    return tuple(sorted(sorted(range(len(sizes)), key=lambda i: (-sizes[i], i))[:part]))
 
 
 @dataclass(frozen=True)
@@ -25,9 +35,21 @@ class ModelCost:
     block_bytes: tuple[int, ...]  # each block's streamable bytes, in forward order
     slot_bytes: tuple[int, ...] = ()  # each block's staging footprint (aligned layout); default: its bytes
     width: int = 0  # activation width (hidden size) of a block; 0: count GEMM time only
+    # each block's streamable tensors, in layout order; (): blocks can only be placed whole
+    tensor_bytes: tuple[tuple[int, ...], ...] = ()
 
-    def staging(self, block: int) -> int:
-        """Bytes a slot needs to stage `block`."""
+    def streamed_bytes(self, block: int, part: int = 0) -> int:
+        """Bytes of `block` that stream when its `part` largest tensors do (0: the whole block)."""
+        if not part or not self.tensor_bytes:
+            return self.block_bytes[block]
+        sizes = self.tensor_bytes[block]
+        return sum(sizes[i] for i in largest(sizes, part))
+
+    def staging(self, block: int, part: int = 0) -> int:
+        """Bytes a slot needs to stage `block` (its `part` largest tensors; 0: all of it)."""
+        if part and self.tensor_bytes:
+            sizes = [self.tensor_bytes[block][i] for i in largest(self.tensor_bytes[block], part)]
+            return pack(sizes)[1] if self.slot_bytes else sum(sizes)  # aligned like slot_bytes, or not
         return self.slot_bytes[block] if self.slot_bytes else self.block_bytes[block]
 
 
@@ -48,9 +70,10 @@ def predict(
     uva: tuple[int, ...],
     tokens: int,
     profile: MachineProfile,
+    part: int = 0,
 ) -> Prediction:
-    """Predict one forward of `tokens` tokens with blocks `streamed` (through `n_slots` slots) and
-    `uva` (zero copy), the rest resident."""
+    """Predict one forward of `tokens` tokens with blocks `streamed` (through `n_slots` slots; each
+    streams its `part` largest tensors, 0: all of it) and `uva` (zero copy), the rest resident."""
     group_of = {block: g for g, block in enumerate(streamed)}
     extra = profile.block_extra_seconds(model.width, tokens)  # every block, wherever its weights are
     uva_set = set(uva)
@@ -60,7 +83,7 @@ def predict(
 
     def start_copy(group: int, not_before: float) -> None:
         nonlocal copy, link
-        seconds = profile.copy_seconds(model.block_bytes[streamed[group]])
+        seconds = profile.copy_seconds(model.streamed_bytes(streamed[group], part))
         copy = max(copy, not_before) + seconds
         link += seconds
         done[group] = copy

@@ -17,7 +17,7 @@ from torch import nn
 
 from . import ops
 from .blocks import find_blocks
-from .cost import ModelCost
+from .cost import ModelCost, largest
 from .disk import DiskTier
 from .errors import OffloadStateError, WeightstreamError
 from .host import HostArena
@@ -413,7 +413,9 @@ def model_cost(entries: list[Entry], per_block: list[list[Entry]], slot_bytes: l
     staging footprint, and the blocks' activation width (0 when unknown)."""
     outside = [e.nbytes for e in entries if e.owner is None]
     block_bytes = tuple(sum(e.nbytes for e in group) for group in per_block)
-    return ModelCost(sum(outside), max(outside, default=0), block_bytes, tuple(slot_bytes), width)
+    tensor_bytes = tuple(tuple(e.nbytes for e in group) for group in per_block)
+    return ModelCost(sum(outside), max(outside, default=0), block_bytes, tuple(slot_bytes), width,
+                     tensor_bytes)
 
 
 def activation_width(model: nn.Module) -> int:
@@ -460,11 +462,17 @@ def prepare(
     cost = model_cost(entries, per_block, [size for _, size in layouts], activation_width(model))
     placement = plan(cost, budget, tokens, load_profile(device), strategy)
 
-    def grouped(indices):
-        return [list(zip(per_block[i], layouts[i][0], strict=True)) for i in indices], [
-            layouts[i][1] for i in indices]
+    def grouped(indices, part=0):
+        """Each block's (entry, slice) pairs and region size: its `part` largest tensors (0: all)."""
+        groups, sizes = [], []
+        for i in indices:
+            chosen = [per_block[i][j] for j in largest(cost.tensor_bytes[i], part)]
+            slices, size = pack([e.nbytes for e in chosen]) if part else layouts[i]
+            groups.append(list(zip(chosen, slices, strict=True)))
+            sizes.append(size)
+        return groups, sizes
 
-    groups, group_bytes = grouped(placement.streamed)
+    groups, group_bytes = grouped(placement.streamed, placement.part)
     uva_groups, uva_group_bytes = grouped(placement.uva)
     return Prepared(model, device, [b.name for b in found], block_modules, entries, placement, groups,
                     group_bytes, uva_groups, uva_group_bytes, cost)

@@ -3,7 +3,10 @@
 Each block is resident, streamed through staging slots, or read in place from pinned host memory
 (zero copy, "uva"). Candidates: k blocks streamed, spread evenly through the model so copies hide
 behind the resident blocks between them, with two slots (one computes while the next copies) or one;
-k blocks zero copy (no staging memory, so more stays resident); and mixes of the two. The planner
+the same with only each streamed block's p largest tensors streaming (parameter granularity: its MLP,
+say, while its attention stays resident, which needs smaller slots and fills the budget more closely);
+k blocks zero copy (no staging memory, so more stays resident); and mixes of whole streamed and
+zero-copy blocks. The planner
 keeps the candidates that fit the budget, staging included, and returns the one the cost model
 predicts fastest for the given tokens per forward. A larger budget only adds candidates, so it never
 predicts slower.
@@ -26,7 +29,8 @@ class Placement:
     """A placement of a model's weights. Sizes in bytes.
 
     `streamed` lists the streamed blocks in forward order; each is one group, and group i (its
-    position in `streamed`) is staged in slot i % n_slots. `uva` lists the zero-copy blocks.
+    position in `streamed`) is staged in slot i % n_slots. With `part` > 0 only each streamed block's
+    `part` largest tensors stream and the rest of it stays resident. `uva` lists the zero-copy blocks.
     """
 
     streamed: tuple[int, ...]
@@ -37,6 +41,7 @@ class Placement:
     uva: tuple[int, ...] = ()
     uva_bytes: int = 0
     prediction: Prediction | None = None
+    part: int = 0  # each streamed block streams its `part` largest tensors (cost.largest); 0: all of it
 
     @property
     def staging_bytes(self) -> int:
@@ -60,13 +65,14 @@ def spread(n: int, k: int) -> tuple[int, ...]:
     return tuple(sorted({(2 * i + 1) * n // (2 * k) for i in range(k)}))
 
 
-def _candidates(n: int, strategy: str, max_slots: int):
-    """(streamed, uva, n_slots) triples of block indices for `strategy`."""
-    yield (), (), 0  # everything resident
+def _candidates(n: int, strategy: str, max_slots: int, max_part: int):
+    """(streamed, uva, n_slots, part) of block indices for `strategy`; part 0 streams whole blocks,
+    part p in 1..max_part - 1 each streamed block's p largest tensors."""
+    yield (), (), 0, 0  # everything resident
     for k in range(1, n + 1):
         off = spread(n, k)
         if strategy in ("auto", "uva"):
-            yield (), off, 0
+            yield (), off, 0, 0
         if strategy == "uva":
             continue
         splits = range(k) if strategy == "auto" else [0]  # u of the k off-GPU blocks read in place
@@ -74,7 +80,10 @@ def _candidates(n: int, strategy: str, max_slots: int):
             in_place = tuple(off[i] for i in spread(k, u)) if u else ()
             streamed = tuple(b for b in off if b not in in_place)
             for n_slots in range(min(max_slots, len(streamed)), 0, -1):
-                yield streamed, in_place, n_slots
+                yield streamed, in_place, n_slots, 0
+        for part in range(1, max_part):
+            for n_slots in range(min(max_slots, k), 0, -1):
+                yield off, (), n_slots, part
 
 
 def plan(
@@ -98,16 +107,19 @@ def plan(
     n, sizes = len(model.block_bytes), model.block_bytes
     total = model.fixed_bytes + sum(sizes)
     best: Placement | None = None
-    for streamed, uva, n_slots in _candidates(n, strategy, max_slots):
+    max_part = max((len(t) for t in model.tensor_bytes), default=0)
+    for streamed, uva, n_slots, part in _candidates(n, strategy, max_slots, max_part):
         off = set(streamed) | set(uva)
         resident = model.fixed_bytes + sum(b for i, b in enumerate(sizes) if i not in off)
-        slot = max((model.staging(i) for i in streamed), default=0)
+        resident += sum(sizes[i] - model.streamed_bytes(i, part) for i in streamed)
+        slot = max((model.staging(i, part) for i in streamed), default=0)
         if resident + n_slots * slot > budget:
             continue
-        prediction = predict(model, streamed, n_slots, uva, tokens, profile)
+        prediction = predict(model, streamed, n_slots, uva, tokens, profile, part)
         if best is None or prediction.ms < best.prediction.ms:
             uva_bytes = sum(sizes[i] for i in uva)
-            best = Placement(streamed, n_slots, slot, resident, total - resident, uva, uva_bytes, prediction)
+            best = Placement(streamed, n_slots, slot, resident, total - resident, uva, uva_bytes, prediction,
+                             part)
     if best is not None:
         return best
     largest = max((model.staging(i) for i in range(n)), default=0)

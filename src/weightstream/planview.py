@@ -21,7 +21,7 @@ def plan_report(model_name: str, gpu_memory: int | str, tokens: int = 1, strateg
     profile = load_profile(device)
     p, cost = prep.placement, prep.cost
     predictions = {
-        name: predict(cost, p.streamed, p.n_slots, p.uva, n, profile)
+        name: predict(cost, p.streamed, p.n_slots, p.uva, n, profile, p.part)
         for name, n in (("decode", 1), (f"prefill_{prefill_tokens}", prefill_tokens))
     }
     resident_blocks = [i for i in range(len(cost.block_bytes)) if i not in p.streamed and i not in p.uva]
@@ -34,8 +34,9 @@ def plan_report(model_name: str, gpu_memory: int | str, tokens: int = 1, strateg
         "strategy": p.strategy,
         "blocks": len(cost.block_bytes),
         "resident": {"bytes": p.resident_bytes, "blocks": resident_blocks},
-        "streamed": {"bytes": sum(cost.block_bytes[i] for i in p.streamed), "blocks": list(p.streamed),
-                     "slots": p.n_slots, "slot_bytes": p.slot_bytes},
+        "streamed": {"bytes": sum(cost.streamed_bytes(i, p.part) for i in p.streamed),
+                     "blocks": list(p.streamed), "slots": p.n_slots, "slot_bytes": p.slot_bytes,
+                     "largest_tensors_per_block": p.part or None},
         "zero_copy": {"bytes": p.uva_bytes, "blocks": list(p.uva)},
         "gpu_bytes": p.gpu_bytes,
         "predicted": {k: {"ms": round(v.ms, 2), "bound": v.bound, "compute_ms": round(v.compute_ms, 2),
@@ -56,7 +57,9 @@ def format_report(r: dict) -> str:
         f"{'resident':12}{len(r['resident']['blocks']):>8}{size(r['resident']['bytes']):>14}"
         "   (with everything outside the blocks)",
         f"{'streamed':12}{len(r['streamed']['blocks']):>8}{size(r['streamed']['bytes']):>14}"
-        f"   through {r['streamed']['slots']} slot(s) of {size(r['streamed']['slot_bytes'])}",
+        f"   through {r['streamed']['slots']} slot(s) of {size(r['streamed']['slot_bytes'])}"
+        + (f"; only each block's {r['streamed']['largest_tensors_per_block']} largest tensors, the rest "
+           "of it resident" if r["streamed"]["largest_tensors_per_block"] else ""),
         f"{'zero copy':12}{len(r['zero_copy']['blocks']):>8}{size(r['zero_copy']['bytes']):>14}",
         f"GPU memory for weights: {size(r['gpu_bytes'])} (strategy: {r['strategy']})",
     ]

@@ -291,7 +291,8 @@ def _ws_prepare(strategy: str) -> Prepare:
 
 def _placement(handle: OffloadHandle) -> str:
     p = handle.placement
-    return f"{p.strategy}: {len(p.streamed)} streamed / {p.n_slots} slots, {len(p.uva)} zero copy"
+    part = f" (each block's {p.part} largest tensors)" if p.part else ""
+    return f"{p.strategy}: {len(p.streamed)} streamed{part} / {p.n_slots} slots, {len(p.uva)} zero copy"
 
 
 def prepare_accelerate_cpu_offload(model: nn.Module, budget: int | None, tokens: int, device: torch.device):
