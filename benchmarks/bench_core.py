@@ -38,8 +38,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import weightstream as ws
 from weightstream.layout import align_up
-from weightstream.suite import allocated, capture_graph, sync, time_calls
+from weightstream.suite import allocated
 from weightstream.suite import release_memory as free_memory
+from weightstream.timing import capture_graph, sync, time_calls
 
 # Methods run in this order whatever --methods says: accelerate leaves the model offloaded, so it is last.
 METHODS = ("resident", "stream", "uva", "accelerate")

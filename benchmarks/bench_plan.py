@@ -21,7 +21,8 @@ import torch
 from bench_core import SHAPES, build_model
 
 import weightstream as ws
-from weightstream.probe import cuda_times_ms, load_profile
+from weightstream.probe import load_profile
+from weightstream.timing import capture_graph, time_calls
 
 PHASES = {"decode": 1, "prefill": 2048}
 STRATEGIES = ("stream", "uva", "auto")
@@ -32,40 +33,20 @@ def log(msg: str) -> None:
 
 
 def timed(fn, reps: int, device: torch.device) -> list[float]:
-    """Milliseconds of `reps` calls of fn after one warm-up: CUDA events on a GPU, a host clock else."""
-    if device.type == "cuda":
-        return cuda_times_ms(fn, reps, warmup=1)
+    """Milliseconds of `reps` calls of fn after one warm-up (CUDA events on a GPU, a host clock else)."""
     fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return times
+    return time_calls(fn, reps, device)[0]
 
 
 def runner(model, ids: torch.Tensor, phase: str, device: torch.device):
-    """A zero-argument forward for `phase` and its output buffer: decode replays a CUDA graph."""
-    def forward():
+    """A zero-argument forward for `phase` that returns the logits: decode replays a CUDA graph."""
+    def forward(ids: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             return model(ids, use_cache=False).logits
 
     if phase != "decode" or device.type != "cuda":
-        return forward
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        forward()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = forward()
-
-    def replay():
-        graph.replay()
-        return out
-
-    return replay
+        return lambda: forward(ids)
+    return capture_graph(forward, ids)
 
 
 def main() -> None:

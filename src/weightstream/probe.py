@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from .timing import capture_graph, time_calls
+
 TOKENS = (1, 16, 64, 256, 1024, 2048, 8192)
 
 
@@ -100,24 +102,11 @@ H200 = MachineProfile(
 )
 
 
-def cuda_times_ms(fn, reps: int, warmup: int = 3) -> list[float]:
-    """Milliseconds of each of `reps` calls of `fn` after `warmup` calls, timed with CUDA events on the
-    current stream, each call started from an idle GPU."""
+def _time_ms(fn, reps: int = 10, warmup: int = 3) -> float:
+    """Median milliseconds of `reps` calls of fn after `warmup` calls (CUDA events)."""
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return times
-
-
-def _time_ms(fn, reps: int = 10) -> float:
-    return statistics.median(cuda_times_ms(fn, reps))
+    return statistics.median(time_calls(fn, reps, torch.device("cuda"))[0])
 
 
 def measure(device: torch.device | str = "cuda", progress: bool = True) -> MachineProfile:
@@ -199,7 +188,7 @@ def block_extra(profile: MachineProfile, device: torch.device, progress: bool = 
     extra = {}
     for m in TOKENS:
         x = torch.randn(1, m, REF_WIDTH, device=device, dtype=torch.bfloat16)
-        replay = _graphed(forward, x)
+        replay = capture_graph(forward, x)
         block_s = _time_ms(replay) / 1e3
         extra[m] = max(0.0, block_s - profile.resident_seconds(gemm_bytes, m)) / REF_WIDTH
         if progress:
@@ -207,19 +196,6 @@ def block_extra(profile: MachineProfile, device: torch.device, progress: bool = 
                   f"{extra[m] * REF_WIDTH * 1e3:6.3f} ms outside the GEMMs", flush=True)
         del replay
     return extra
-
-
-def _graphed(fn, x: torch.Tensor):
-    """fn(x) captured in a CUDA graph (after a side-stream warm-up); a function that replays it."""
-    side = torch.cuda.Stream(x.device)
-    side.wait_stream(torch.cuda.current_stream(x.device))
-    with torch.cuda.stream(side):
-        fn(x)
-    torch.cuda.current_stream(x.device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn(x)
-    return graph.replay
 
 
 def copy_seconds_per_byte(device: torch.device, nbytes: int = 2**30) -> float:

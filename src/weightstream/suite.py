@@ -65,6 +65,7 @@ from .offload import OffloadHandle, handle_of, offload
 from .probe import copy_seconds_per_byte
 from .shapes import SHAPES
 from .sizes import format_size, parse_size
+from .timing import capture_graph, sync, time_calls
 
 MODES = ("eager", "compiled", "graph")
 DEFAULT_PHASES = ("decode-b1", "decode-b64", "prefill-2048")
@@ -212,12 +213,6 @@ def module_bytes(module: nn.Module) -> int:
 def allocated(device: torch.device) -> int | None:
     """Bytes PyTorch has allocated on the GPU (None on CPU)."""
     return torch.cuda.memory_allocated(device) if device.type == "cuda" else None
-
-
-def sync(device: torch.device) -> None:
-    """Wait for the device's queued work (no-op on CPU)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def release_memory(device: torch.device) -> None:
@@ -482,26 +477,6 @@ def forward(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 
 # --- timing ---------------------------------------------------------------------------------------
-def time_calls(fn: Callable[[], torch.Tensor], reps: int, device: torch.device):
-    """Call fn() `reps` times, each from an idle device; each call's ms (CUDA events on CUDA,
-    perf_counter on CPU) and the last output."""
-    times, out = [], None
-    for _ in range(reps):
-        sync(device)
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            out = fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            out = fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return times, out
-
-
 def measure(fn: Callable[[], torch.Tensor], reps: int, device: torch.device) -> tuple[dict, torch.Tensor]:
     """WARMUP_CALLS untimed calls (the first may compile), then `reps` timed ones (SLOW_REPS at most
     when a warm call takes over SLOW_CALL_S). Returns the timing fields and the last output."""
@@ -519,26 +494,6 @@ def measure(fn: Callable[[], torch.Tensor], reps: int, device: torch.device) -> 
     entry = {"median_ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times), "reps": reps,
              "first_call_s": walls[0], "peak_allocated_bytes": peak}
     return entry, out
-
-
-def capture_graph(fn: Callable[[torch.Tensor], torch.Tensor], ids: torch.Tensor) -> Callable:
-    """Capture fn(static ids) in a CUDA graph (after a side-stream warm-up, as torch.cuda.graph asks);
-    return a function that replays it and returns the static output."""
-    static_in, side = ids.clone(), torch.cuda.Stream(ids.device)
-    side.wait_stream(torch.cuda.current_stream(ids.device))
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn(static_in)
-    torch.cuda.current_stream(ids.device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = fn(static_in)
-
-    def replay() -> torch.Tensor:
-        graph.replay()
-        return static_out
-
-    return replay
 
 
 # --- the run --------------------------------------------------------------------------------------

@@ -1,0 +1,59 @@
+"""Timing and CUDA-graph capture shared by the probe, the benchmark suite and the benchmark scripts.
+
+Every GPU time is taken with CUDA events around one call started from an idle device; on a CPU the
+host clock stands in so the same code runs in the CPU tests.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_calls(fn: Callable[[], torch.Tensor], reps: int, device: torch.device):
+    """Call fn() `reps` times, each from an idle device; each call's ms (CUDA events on CUDA,
+    perf_counter on CPU) and the last output."""
+    times, out = [], None
+    for _ in range(reps):
+        sync(device)
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            out = fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return times, out
+
+
+def capture_graph(fn: Callable[[torch.Tensor], torch.Tensor],
+                  ids: torch.Tensor) -> Callable[[], torch.Tensor]:
+    """Capture fn(static copy of ids) in a CUDA graph (after a side-stream warm-up, as
+    torch.cuda.graph asks); return a function that replays it and returns the static output."""
+    static_in, side = ids.clone(), torch.cuda.Stream(ids.device)
+    side.wait_stream(torch.cuda.current_stream(ids.device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn(static_in)
+    torch.cuda.current_stream(ids.device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = fn(static_in)
+
+    def replay() -> torch.Tensor:
+        graph.replay()
+        return static_out
+
+    return replay
