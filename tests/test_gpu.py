@@ -10,11 +10,13 @@ import warnings
 
 import pytest
 import torch
-from conftest import make_model, state_copy
+from conftest import make_model, state_copy, weight_bytes
 from test_offload import Toy
 
 import weightstream as ws
 from weightstream.blocks import find_blocks
+from weightstream.offload import prepare
+from weightstream.probe import H200
 
 pytestmark = pytest.mark.gpu
 
@@ -198,6 +200,57 @@ def test_zero_copy_and_auto_are_exact_eager_compiled_and_in_a_graph(strategy, ea
     freed = before - torch.cuda.memory_allocated()
     slack = 512 * sum(1 for _ in model.parameters())
     assert abs(freed - (stats.streamed_bytes + stats.uva_bytes - stats.staging_bytes)) <= slack
+    with torch.no_grad():
+        assert torch.equal(model(ids_for(1)).logits, ref(ids_for(1)).logits)
+        cref, cmodel = torch.compile(ref, fullgraph=True), torch.compile(model, fullgraph=True)
+        assert torch.equal(cmodel(ids_for(2)).logits, cref(ids_for(2)).logits)
+    static_ref, static_model = ids_for(3).clone(), ids_for(3).clone()
+    gref, out_ref = capture(logits_fn(ref), static_ref)
+    gmodel, out_model = capture(logits_fn(model), static_model)
+    static_ref.copy_(ids_for(4))
+    static_model.copy_(ids_for(4))
+    gref.replay()
+    gmodel.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out_model, out_ref)
+    handle.restore()
+    assert all(p.is_cuda for p in model.parameters())
+
+
+def part_placement_budget(model) -> int:
+    """A budget at which the planner (on the reference H200 profile) streams only each streamed block's
+    largest tensors and keeps the rest of it resident."""
+    for percent in range(30, 96, 5):
+        budget = weight_bytes(model) * percent // 100
+        try:
+            if prepare(model, budget, next(model.parameters()).device, strategy="stream").placement.part:
+                return budget
+        except ws.BudgetError:  # below the smallest budget that streaming allows
+            continue
+    raise AssertionError("no budget gave a parameter-granular placement")
+
+
+@pytest.mark.parametrize("arch", ["llama", "mixtral"])
+def test_streaming_part_of_each_block_is_exact_eager_compiled_and_in_a_graph(arch, eager_rounding,
+                                                                            monkeypatch):
+    """Parameter-granular placement on the CUDA path: the streamed tensors leave the GPU, the rest of each
+    block stays, and outputs are bit-identical eager, compiled (fullgraph) and replayed from a graph."""
+    monkeypatch.setattr("weightstream.offload.load_profile", lambda device=None: H200)
+    ref, model = twins(arch)
+    budget = part_placement_budget(model)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    handle = ws.offload(model, gpu_memory=budget, strategy="stream")
+    part, stats = handle.placement.part, handle.stats
+    assert part and stats.groups >= 1
+    freed = before - torch.cuda.memory_allocated()
+    slack = 512 * sum(1 for _ in model.parameters())
+    assert abs(freed - (stats.streamed_bytes - stats.staging_bytes)) <= slack
+    blocks = dict(model.named_modules())
+    for name in handle.streamed_blocks:
+        on_gpu = [t.is_cuda and t.untyped_storage().data_ptr() not in
+                  {s.untyped_storage().data_ptr() for s in handle._slots} for t in blocks[name].parameters()]
+        assert len(on_gpu) - sum(on_gpu) == part  # exactly `part` tensors live in the slots
     with torch.no_grad():
         assert torch.equal(model(ids_for(1)).logits, ref(ids_for(1)).logits)
         cref, cmodel = torch.compile(ref, fullgraph=True), torch.compile(model, fullgraph=True)
