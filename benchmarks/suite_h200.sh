@@ -22,7 +22,8 @@ bench() {  # bench NAME MAX_SECONDS ARGS...: one suite run, stopped cleanly afte
 }
 case ${1:?give a part} in
 verify)  # every GPU test, then the planner sweep (placements now parameter-granular)
-    python3 -m pytest -m gpu -q -p no:cacheprovider tests/ 2>&1 | tee "$OUT/gpu_tests_h200.log" | tail -3
+    # a failing test must not stop the sweep (set -e): pytest's summary is in the log
+    python3 -m pytest -m gpu -q -p no:cacheprovider tests/ 2>&1 | tee "$OUT/gpu_tests_h200.log" | tail -3 || true
     python3 benchmarks/bench_plan.py --reps 5 --out "$OUT/plan_llama-3-8b.json" 2>&1 \
         | tee "$OUT/plan_llama-3-8b.log" | tail -30 ;;
 llama-ws)
@@ -41,8 +42,9 @@ qwen-peers)  # accelerate cpu_offload on this shape is on record (suite_qwen2.5-
     bench qwen2.5-32b_peers 420 --shape qwen2.5-32b --budgets 0.25 --phases decode-b1,prefill-2048 \
         --modes eager --reps 3 --no-timeline --methods resident,accelerate-device_map,diffusers-group ;;
 mixtral-ws)
+    # eager only: compiling this MoE takes over a minute per phase, and at 25% the link bounds every mode
     bench mixtral-8x7b_auto ${MAX_SECONDS:-420} --shape mixtral-8x7b --budgets 0.25 --phases decode-b1,prefill-2048 \
-        --methods resident,ws-auto --reps 5 --no-timeline --emulate-precision-casts ;;
+        --modes eager --methods resident,ws-auto --reps 5 --no-timeline ;;
 mixtral-peers)  # decode only: each peer moves 65 GiB per forward at a few GB/s, so both phases do not fit
     bench mixtral-8x7b_peers 420 --shape mixtral-8x7b --budgets 0.25 --phases decode-b1 --modes eager --reps 3 \
         --no-timeline --methods resident,accelerate-cpu_offload,accelerate-device_map,diffusers-group ;;
