@@ -4,7 +4,7 @@
 #   bash benchmarks/suite_h200.sh PART
 # Parts: verify | llama-ws | llama-uva | llama-peers | qwen-ws | qwen-peers | mixtral-ws
 #        | mixtral-peers
-# MAX_SECONDS overrides the mixtral-ws part's time budget (to share a call with another part).
+# MAX_SECONDS overrides a part's time budget (to share a call with another part).
 # Each writes its JSON and log under $OUT; copy them to benchmarks/results/ and run
 # `weightstream bench --report ...` (benchmarks/README.md) to regenerate docs/benchmarks.md.
 set -euo pipefail
@@ -27,26 +27,26 @@ verify)  # every GPU test, then the planner sweep (placements now parameter-gran
     python3 benchmarks/bench_plan.py --reps 5 --out "$OUT/plan_llama-3-8b.json" 2>&1 \
         | tee "$OUT/plan_llama-3-8b.log" | tail -30 ;;
 llama-ws)
-    bench llama-3-8b_auto 380 --shape llama-3-8b --budgets 0.25 --methods resident,ws-auto --reps 10 \
+    bench llama-3-8b_auto ${MAX_SECONDS:-380} --shape llama-3-8b --budgets 0.25 --methods resident,ws-auto --reps 10 \
         --emulate-precision-casts ;;
 llama-uva)
-    bench llama-3-8b_uva 400 --shape llama-3-8b --budgets 0.25 --phases decode-b1,decode-b64,prefill-2048 \
+    bench llama-3-8b_uva ${MAX_SECONDS:-400} --shape llama-3-8b --budgets 0.25 --phases decode-b1,decode-b64,prefill-2048 \
         --methods resident,ws-uva --reps 5 --no-timeline --emulate-precision-casts ;;
 llama-peers)
-    bench llama-3-8b_peers 420 --shape llama-3-8b --budgets 0.25 --modes eager,compiled --reps 5 \
+    bench llama-3-8b_peers ${MAX_SECONDS:-420} --shape llama-3-8b --budgets 0.25 --modes eager,compiled --reps 5 \
         --no-timeline --methods resident,accelerate-cpu_offload,accelerate-device_map,diffusers-group ;;
 qwen-ws)
-    bench qwen2.5-32b_auto 420 --shape qwen2.5-32b --budgets 0.25 --phases decode-b1,prefill-2048 \
+    bench qwen2.5-32b_auto ${MAX_SECONDS:-420} --shape qwen2.5-32b --budgets 0.25 --phases decode-b1,prefill-2048 \
         --methods resident,ws-auto --reps 5 --no-timeline --emulate-precision-casts ;;
 qwen-peers)  # accelerate cpu_offload on this shape is on record (suite_qwen2.5-32b.json)
-    bench qwen2.5-32b_peers 420 --shape qwen2.5-32b --budgets 0.25 --phases decode-b1,prefill-2048 \
+    bench qwen2.5-32b_peers ${MAX_SECONDS:-420} --shape qwen2.5-32b --budgets 0.25 --phases decode-b1,prefill-2048 \
         --modes eager --reps 3 --no-timeline --methods resident,accelerate-device_map,diffusers-group ;;
 mixtral-ws)
     # eager only: compiling this MoE takes over a minute per phase, and at 25% the link bounds every mode
     bench mixtral-8x7b_auto ${MAX_SECONDS:-420} --shape mixtral-8x7b --budgets 0.25 --phases decode-b1,prefill-2048 \
         --modes eager --methods resident,ws-auto --reps 5 --no-timeline ;;
 mixtral-peers)  # decode only: each peer moves 65 GiB per forward at a few GB/s, so both phases do not fit
-    bench mixtral-8x7b_peers 420 --shape mixtral-8x7b --budgets 0.25 --phases decode-b1 --modes eager --reps 3 \
+    bench mixtral-8x7b_peers ${MAX_SECONDS:-420} --shape mixtral-8x7b --budgets 0.25 --phases decode-b1 --modes eager --reps 3 \
         --no-timeline --methods resident,accelerate-cpu_offload,accelerate-device_map,diffusers-group ;;
 *)
     echo "unknown part $1" >&2

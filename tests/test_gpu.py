@@ -6,6 +6,7 @@ Run with `pytest -m gpu` on a CUDA machine; skipped elsewhere.
 from __future__ import annotations
 
 import copy
+import gc
 import sys
 import warnings
 
@@ -18,6 +19,7 @@ import weightstream as ws
 from weightstream.blocks import find_blocks
 from weightstream.offload import prepare
 from weightstream.probe import H200
+from weightstream.timing import capture_graph
 
 pytestmark = pytest.mark.gpu
 
@@ -268,3 +270,14 @@ def test_streaming_part_of_each_block_is_exact_eager_compiled_and_in_a_graph(arc
     assert torch.equal(out_model, out_ref)
     handle.restore()
     assert all(p.is_cuda for p in model.parameters())
+
+
+def test_a_captured_graph_keeps_its_input_alive():
+    """timing.capture_graph copies its input; once the caller's tensors are gone, the allocator must not
+    hand that copy's memory to new tensors (the graph would read their bytes)."""
+    table = torch.nn.Embedding(16, 4).cuda()
+    replay = capture_graph(table, torch.arange(16, device="cuda"))
+    gc.collect()
+    junk = [torch.full((16,), 15, dtype=torch.long, device="cuda") for _ in range(256)]
+    assert torch.equal(replay(), table(torch.arange(16, device="cuda")))
+    del junk

@@ -56,4 +56,7 @@ def capture_graph(fn: Callable[[torch.Tensor], torch.Tensor],
         graph.replay()
         return static_out
 
+    # the graph reads static_in's memory at every replay: keep it alive as long as the replay function,
+    # or the caching allocator hands that memory to another tensor and the graph reads its bytes
+    replay.static_in = static_in
     return replay
