@@ -89,9 +89,10 @@ def main() -> None:
                     log(f"{fraction:.0%} {phase} {strategy}: {err}")
                     continue
                 pl = handle.placement
-                key = (pl.streamed, pl.n_slots, pl.uva)
+                key = (pl.streamed, pl.n_slots, pl.uva, pl.part)
                 point.update(placement=pl.strategy, streamed=len(pl.streamed), slots=pl.n_slots,
-                             uva=len(pl.uva), predicted_ms=pl.prediction.ms, bound=pl.prediction.bound)
+                             part=pl.part, uva=len(pl.uva), predicted_ms=pl.prediction.ms,
+                             bound=pl.prediction.bound)
                 if key in measured_for:  # the same placement as a strategy measured just before
                     point.update({k: measured_for[key][k] for k in ("median_ms", "times_ms", "exact")},
                                  same_placement_as=measured_for[key]["strategy"])
@@ -109,7 +110,8 @@ def main() -> None:
                     torch.cuda.empty_cache()
                 doc["points"].append(point)
                 log(f"{fraction:.0%} {phase:7s} {strategy:6s} -> {pl.strategy:8s} "
-                    f"{len(pl.streamed):2d} streamed/{pl.n_slots} slots, {len(pl.uva):2d} uva: "
+                    f"{len(pl.streamed):2d} streamed/{pl.n_slots} slots (part {pl.part}), "
+                    f"{len(pl.uva):2d} uva: "
                     f"{point['median_ms']:8.2f} ms, predicted "
                     f"{pl.prediction.ms:8.2f} ({point['prediction_error']:+.0%}), exact {point['exact']}")
                 Path(args.out).write_text(json.dumps(doc, indent=1))

@@ -43,6 +43,8 @@ def table(doc: dict) -> str:
     for p in doc["points"]:
         placement = (f"{p['placement']}: {p['streamed']} streamed / {p['slots']} slots, {p['uva']} zero copy"
                      if "placement" in p else p.get("error", ""))
+        if p.get("part"):  # recorded since parameter-granular placement
+            placement += f" ({p['part']} largest tensors of each streamed block)"
         rows.append(f"| {p['fraction']:.0%} | {p['phase']} | {p['strategy']} | {placement} | "
                     f"{p.get('median_ms', float('nan')):.2f} | {p.get('predicted_ms', float('nan')):.2f} | "
                     f"{p.get('prediction_error', float('nan')):+.1%} | {p.get('exact')} |")
