@@ -3,7 +3,7 @@
 # Usage (from the repository root, with diffusers' wheel in .whl/ and $OUT set by the device tool):
 #   bash benchmarks/suite_h200.sh PART
 # Parts: verify | llama-ws | llama-uva | llama-peers | qwen-ws | qwen-peers | mixtral-ws
-#        | mixtral-peers
+#        | mixtral-peers | qwen-b64 | mixtral-b64 | qwen-diffusers | mixtral-diffusers
 # MAX_SECONDS overrides a part's time budget (to share a call with another part).
 # Each writes its JSON and log under $OUT; copy them to benchmarks/results/ and run
 # `weightstream bench --report ...` (benchmarks/README.md) to regenerate docs/benchmarks.md.
@@ -34,7 +34,7 @@ llama-uva)
         --methods resident,ws-uva --reps 5 --no-timeline --emulate-precision-casts ;;
 llama-peers)
     bench llama-3-8b_peers ${MAX_SECONDS:-420} --shape llama-3-8b --budgets 0.25 --modes eager,compiled --reps 5 \
-        --no-timeline --methods resident,accelerate-cpu_offload,accelerate-device_map,diffusers-group ;;
+        --no-timeline --method-seconds 150 --methods resident,accelerate-cpu_offload,accelerate-device_map,diffusers-group ;;
 qwen-ws)
     bench qwen2.5-32b_auto ${MAX_SECONDS:-420} --shape qwen2.5-32b --budgets 0.25 --phases decode-b1,prefill-2048 \
         --methods resident,ws-auto --reps 5 --no-timeline --emulate-precision-casts ;;
@@ -47,7 +47,19 @@ mixtral-ws)
         --modes eager --methods resident,ws-auto --reps 5 --no-timeline ;;
 mixtral-peers)  # decode only: each peer moves 65 GiB per forward at a few GB/s, so both phases do not fit
     bench mixtral-8x7b_peers ${MAX_SECONDS:-420} --shape mixtral-8x7b --budgets 0.25 --phases decode-b1 --modes eager --reps 3 \
-        --no-timeline --methods resident,accelerate-cpu_offload,accelerate-device_map,diffusers-group ;;
+        --no-timeline --method-seconds 150 --methods resident,accelerate-cpu_offload,accelerate-device_map,diffusers-group ;;
+qwen-b64)  # decode at batch 64 for weightstream and accelerate's faster method on this shape
+    bench qwen2.5-32b_b64 ${MAX_SECONDS:-420} --shape qwen2.5-32b --budgets 0.25 --phases decode-b64 --modes eager \
+        --reps 3 --no-timeline --method-seconds 200 --methods resident,ws-auto,accelerate-device_map ;;
+mixtral-b64)
+    bench mixtral-8x7b_b64 ${MAX_SECONDS:-420} --shape mixtral-8x7b --budgets 0.25 --phases decode-b64 --modes eager \
+        --reps 3 --no-timeline --method-seconds 240 --methods resident,ws-auto,accelerate-device_map ;;
+qwen-diffusers)  # its preparation took over 75 s here: give it a limit of its own
+    bench qwen2.5-32b_diffusers ${MAX_SECONDS:-420} --shape qwen2.5-32b --budgets 0.25 --phases decode-b1 \
+        --modes eager --reps 3 --no-timeline --method-seconds 480 --methods resident,diffusers-group ;;
+mixtral-diffusers)
+    bench mixtral-8x7b_diffusers ${MAX_SECONDS:-420} --shape mixtral-8x7b --budgets 0.25 --phases decode-b1 \
+        --modes eager --reps 3 --no-timeline --method-seconds 480 --methods resident,diffusers-group ;;
 *)
     echo "unknown part $1" >&2
     exit 2 ;;

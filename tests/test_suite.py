@@ -10,6 +10,7 @@ import glob
 import importlib.util
 import json
 import os
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -226,3 +227,37 @@ def test_a_moe_shape_runs_through_the_harness_exactly(tmp_path):
                           str(tmp_path / "moe.json"), command="test")
     (row,) = [r for r in doc["results"] if r["method"] == "ws-stream"]
     assert row["exact"] is True and row["reference"] == "resident eager" and row["setup"]["link_bytes"] > 0
+
+
+def test_method_seconds_stops_a_slow_method_and_the_run_goes_on(tmp_path, monkeypatch):
+    """A method that overruns --method-seconds, in its preparation or in a mode, is recorded with that
+    error, undone, and the next method still runs and is exact; its modes not started are skipped."""
+    def slow_prepare(model, budget, tokens, device):
+        time.sleep(30)
+
+    def slow_forward(model, budget, tokens, device):
+        hook = model.register_forward_pre_hook(lambda *args: time.sleep(30))
+        return {"link_bytes": 0}, hook.remove
+
+    extra = [suite.Method("slow-prepare", slow_prepare, suite.MODES, "sleeps preparing", uses_budget=False),
+             suite.Method("slow-forward", slow_forward, suite.MODES, "sleeps in forward", uses_budget=False)]
+    monkeypatch.setattr(suite, "METHODS", [*suite.METHODS[:1], *extra, *suite.METHODS[1:]])
+
+    def run(methods, modes):
+        return suite.run_suite("tiny", [0.5], ["decode-b1"], methods, modes, 1, "cpu",
+                               str(tmp_path / "s.json"), command="test", method_seconds=2)
+
+    start = time.monotonic()
+    doc = run(["resident", "slow-prepare", "slow-forward", "ws-stream"], ["eager"])
+    assert suite.validate(doc) is doc and doc["method_seconds"] == 2 and not doc.get("aborted")
+    rows = {r["method"]: r for r in doc["results"]}
+    over = "did not finish within the method's --method-seconds (2 s)"
+    assert rows["slow-prepare"]["error"] == f"prepare: TimeLimitExceeded: {over}"
+    assert rows["slow-forward"]["error"] == f"TimeLimitExceeded: {over}"
+    assert rows["ws-stream"]["exact"] is True  # undone cleanly, the run went on
+    doc = run(["slow-forward"], ["eager", "compiled"])
+    assert [r["skipped"] for r in doc["results"]] == [None, f"not run: {over}"]
+    assert time.monotonic() - start < 25  # no sleep ran to its end
+    with pytest.raises(ValueError, match="method_seconds"):
+        suite.run_suite("tiny", [0.5], ["decode-b1"], ["resident"], ["eager"], 1, "cpu",
+                        str(tmp_path / "x.json"), method_seconds=0)

@@ -33,6 +33,8 @@ Result document (`validate` checks it; sizes in bytes, times in ms, bandwidth in
     timelines: [{method, phase, budget_bytes, mode, events: [[stream, label, start_ms, end_ms], ...]}]
     aborted: why the run stopped early (only when a method could not be undone)
     max_seconds: the run's time budget (None: none); measurements past it are rows with `skipped`
+    method_seconds: each method's time limit per budget and phase, preparation included (None: none);
+        a method past it has rows with `error` "did not finish within ..." and the run goes on
     note, command_note: optional text added by hand after the run (e.g. that a shell timeout cut it)
     results: [ResultRow as a dict, ...]: method, phase, budget_bytes, mode, median_ms, min_ms, max_ms,
         reps, tokens_per_s, link_bound_ms, ratio, exact, error, skipped (required), and context fields
@@ -41,6 +43,7 @@ Result document (`validate` checks it; sizes in bytes, times in ms, bandwidth in
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import functools
 import gc
@@ -50,8 +53,10 @@ import os
 import platform
 import re
 import shlex
+import signal
 import statistics
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
@@ -514,6 +519,8 @@ class Suite:
     timeline: bool
     refs: dict[tuple[str, str], tuple[str, torch.Tensor]] = field(default_factory=dict)
     stop_at: float | None = None  # time.monotonic() after which no method is prepared any more
+    method_seconds: float | None = None  # each method's limit per budget and phase
+    method_until: float | None = None  # time.monotonic() when the method being run is out of time
 
 
 def write_json(doc: dict, path: str) -> None:
@@ -621,9 +628,12 @@ def run_modes(suite: Suite, method: Method, phase: Phase, budget: int | None, se
         row = ResultRow(method.name, phase.name, budget, mode, tokens=phase.tokens,
                         link_bytes=setup.get("link_bytes"), setup=setup)
         row.skipped = mode_skip(suite, method, mode)
+        if row.skipped is None and suite.method_until is not None and time.monotonic() > suite.method_until:
+            row.skipped = f"not run: {_over_time(suite)}"
         if row.skipped is None:
             try:
-                run_mode(suite, method, phase, row, compiled)
+                with time_limit(suite.method_until, _over_time(suite) if suite.method_seconds else ""):
+                    run_mode(suite, method, phase, row, compiled)
             except Exception as exc:  # record and go on: the rest of the run still counts
                 row = ResultRow(method.name, phase.name, budget, mode, tokens=phase.tokens,
                                 error=first_line(exc), link_bytes=row.link_bytes, setup=setup)
@@ -632,12 +642,46 @@ def run_modes(suite: Suite, method: Method, phase: Phase, budget: int | None, se
     release_memory(suite.device)  # drop compiled code and graphs before the weights move back
 
 
+class TimeLimitExceeded(Exception):
+    """A method ran past its --method-seconds."""
+
+
+@contextlib.contextmanager
+def time_limit(until: float | None, message: str):
+    """Raise TimeLimitExceeded(message) in this thread once time.monotonic() passes `until` (None: no
+    limit). A SIGALRM timer: it interrupts Python code and sleeps, but a long call inside one C function
+    (a single huge copy) is interrupted only when it returns. Main thread of a POSIX process only."""
+    if until is None:
+        yield
+        return
+    remaining = until - time.monotonic()
+    if remaining <= 0:
+        raise TimeLimitExceeded(message)
+
+    def on_alarm(signum, frame):
+        raise TimeLimitExceeded(message)
+
+    previous = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, remaining)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _over_time(suite: Suite) -> str:
+    return f"did not finish within the method's --method-seconds ({suite.method_seconds:g} s)"
+
+
 def run_prepared(suite: Suite, method: Method, phase: Phase, budget: int | None) -> bool:
     """Prepare `method` for one budget and phase, run its modes, undo it. False when the model could
     not be put back (the run must stop: every later number would be suspect)."""
     snapshot = {id(m): set(m.__dict__) for m in suite.model.modules()}
+    suite.method_until = None if suite.method_seconds is None else time.monotonic() + suite.method_seconds
     try:
-        setup, undo = method.prepare(suite.model, budget, phase.tokens, suite.device)
+        with time_limit(suite.method_until, _over_time(suite) if suite.method_seconds else ""):
+            setup, undo = method.prepare(suite.model, budget, phase.tokens, suite.device)
     except Exception as exc:
         for mode in suite.modes:
             add_row(suite, ResultRow(method.name, phase.name, budget, mode, tokens=phase.tokens,
@@ -741,6 +785,7 @@ def run_suite(
     emulate_precision_casts: bool = False,
     command: str | None = None,
     max_seconds: float | None = None,
+    method_seconds: float | None = None,
 ) -> dict:
     """Run every method x budget x phase x mode on one model of `shape` and write the result document
     to `out_path` after each measurement; return the document.
@@ -754,7 +799,10 @@ def run_suite(
     (benchmarks/README.md: without it, fusion across block boundaries can differ by one ulp).
     max_seconds: prepare no method after this many seconds from the start; the measurements not made
     are recorded as skipped (a run ends cleanly inside a command's time limit; one method and phase
-    already started runs to its end).
+    already started runs to its end). method_seconds: stop a method that has not finished one budget
+    and phase (preparation and every mode) within this many seconds; its unfinished modes are
+    recorded as errors or skipped, it is undone, and the run goes on with the next (needs the main
+    thread of a POSIX process: a SIGALRM timer).
     """
     import torch._inductor.config
 
@@ -762,23 +810,28 @@ def run_suite(
     torch._inductor.config.emulate_precision_casts = emulate_precision_casts
     try:
         return _run(shape, budgets, phases, methods, modes, reps, _resolve(device), out_path, seed, timeline,
-                    command, max_seconds)
+                    command, max_seconds, method_seconds)
     finally:
         torch._inductor.config.emulate_precision_casts = previous
 
 
 def _run(shape, budgets, phases, methods, modes, reps, device, out_path, seed, timeline, command,
-         max_seconds) -> dict:
+         max_seconds, method_seconds) -> dict:
     """The body of `run_suite`, with the Inductor flag set."""
     _check_names(methods, [m.name for m in METHODS], "method")
     _check_names(modes, list(MODES), "mode")
     if max_seconds is not None and max_seconds <= 0:
         raise ValueError(f"max_seconds={max_seconds}: give a positive number of seconds, or none")
+    if method_seconds is not None:
+        if method_seconds <= 0:
+            raise ValueError(f"method_seconds={method_seconds}: give a positive number of seconds, or none")
+        if not hasattr(signal, "setitimer") or threading.current_thread() is not threading.main_thread():
+            raise ValueError("method_seconds needs a SIGALRM timer: the main thread of a POSIX process")
     stop_at = None if max_seconds is None else time.monotonic() + max_seconds
     suite = _start(shape, budgets, [parse_phase(p) for p in phases], modes, reps, device, out_path, seed,
                    timeline, command)
-    suite.stop_at = stop_at
-    suite.doc["max_seconds"] = max_seconds
+    suite.stop_at, suite.method_seconds = stop_at, method_seconds
+    suite.doc["max_seconds"], suite.doc["method_seconds"] = max_seconds, method_seconds
     suite.doc["skipped_methods"] = {k: v for k, v in unavailable().items() if k in methods}
     write_json(suite.doc, out_path)
     for method in METHODS:
@@ -1013,6 +1066,9 @@ def _run_section(doc: dict, path: str) -> str:
              f"- weights {format_size(doc['weight_bytes'])} built on {doc.get('build_device', '?')}; "
              f"host->GPU {_fmt(doc['h2d_bandwidth_GBps'], 1)} GB/s; reference: {doc.get('reference', '?')}",
              f"- methods not run: {skipped}"]
+    limits = [f"--{k.replace('_', '-')} {doc[k]:g}" for k in ("max_seconds", "method_seconds") if doc.get(k)]
+    if limits:
+        lines.append(f"- time limits: {', '.join(limits)}")
     if doc.get("aborted"):
         lines.append(f"- **run stopped early**: {doc['aborted']}")
     for key in ("note", "command_note"):
@@ -1126,6 +1182,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-seconds", type=float, default=None,
                    help="prepare no method after this many seconds; the rest is recorded as skipped")
+    p.add_argument("--method-seconds", type=float, default=None,
+                   help="stop a method that has not finished a budget and phase within this many seconds "
+                        "(recorded as its error) and go on with the next")
     p.add_argument("--no-timeline", action="store_true", help="skip the profiler timelines (CUDA only)")
     p.add_argument("--emulate-precision-casts", action="store_true",
                    help="Inductor rounds to bf16 where eager does (compiled exactness, benchmarks/README.md)")
@@ -1160,7 +1219,8 @@ def main(argv: list[str] | None = None) -> int:
         doc = run_suite(args.shape, args.budgets, args.phases, args.methods, args.modes, args.reps, device,
                         out, seed=args.seed, timeline=not args.no_timeline,
                         emulate_precision_casts=args.emulate_precision_casts,
-                        command="weightstream bench " + shlex.join(argv), max_seconds=args.max_seconds)
+                        command="weightstream bench " + shlex.join(argv), max_seconds=args.max_seconds,
+                        method_seconds=args.method_seconds)
     except (ValueError, OSError) as err:
         print(f"weightstream bench: {err}", file=sys.stderr)
         return 1
