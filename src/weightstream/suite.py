@@ -520,7 +520,6 @@ class Suite:
     refs: dict[tuple[str, str], tuple[str, torch.Tensor]] = field(default_factory=dict)
     stop_at: float | None = None  # time.monotonic() after which no method is prepared any more
     method_seconds: float | None = None  # each method's limit per budget and phase
-    method_until: float | None = None  # time.monotonic() when the method being run is out of time
 
 
 def write_json(doc: dict, path: str) -> None:
@@ -621,18 +620,20 @@ def describe(row: ResultRow) -> str:
             f"{row.tokens_per_s:.1f} tok/s, ratio {_fmt(row.ratio, 2)}, exact {row.exact} ({row.reference})")
 
 
-def run_modes(suite: Suite, method: Method, phase: Phase, budget: int | None, setup: dict) -> None:
-    """Every selected mode of one prepared method and phase; a failure is recorded, not raised."""
+def run_modes(suite: Suite, method: Method, phase: Phase, budget: int | None, setup: dict,
+              until: float | None) -> None:
+    """Every selected mode of one prepared method and phase; a failure is recorded, not raised. A mode
+    not started by `until` (time.monotonic(); None: no limit) is skipped."""
     compiled = torch.compile(lambda ids: forward(suite.model, ids), fullgraph=True, dynamic=False)
     for mode in suite.modes:
         row = ResultRow(method.name, phase.name, budget, mode, tokens=phase.tokens,
                         link_bytes=setup.get("link_bytes"), setup=setup)
         row.skipped = mode_skip(suite, method, mode)
-        if row.skipped is None and suite.method_until is not None and time.monotonic() > suite.method_until:
+        if row.skipped is None and until is not None and time.monotonic() > until:
             row.skipped = f"not run: {_over_time(suite)}"
         if row.skipped is None:
             try:
-                with time_limit(suite.method_until, _over_time(suite) if suite.method_seconds else ""):
+                with method_limit(suite, until):
                     run_mode(suite, method, phase, row, compiled)
             except Exception as exc:  # record and go on: the rest of the run still counts
                 row = ResultRow(method.name, phase.name, budget, mode, tokens=phase.tokens,
@@ -647,13 +648,10 @@ class TimeLimitExceeded(Exception):
 
 
 @contextlib.contextmanager
-def time_limit(until: float | None, message: str):
-    """Raise TimeLimitExceeded(message) in this thread once time.monotonic() passes `until` (None: no
-    limit). A SIGALRM timer: it interrupts Python code and sleeps, but a long call inside one C function
-    (a single huge copy) is interrupted only when it returns. Main thread of a POSIX process only."""
-    if until is None:
-        yield
-        return
+def time_limit(until: float, message: str):
+    """Raise TimeLimitExceeded(message) in this thread once time.monotonic() passes `until`. A SIGALRM
+    timer: it interrupts Python code and sleeps, but a long call inside one C function (a single huge
+    copy) is interrupted only when it returns. Main thread of a POSIX process only."""
     remaining = until - time.monotonic()
     if remaining <= 0:
         raise TimeLimitExceeded(message)
@@ -674,20 +672,25 @@ def _over_time(suite: Suite) -> str:
     return f"did not finish within the method's --method-seconds ({suite.method_seconds:g} s)"
 
 
+def method_limit(suite: Suite, until: float | None):
+    """The running method's time limit (`until` from time.monotonic()), or none when `until` is None."""
+    return contextlib.nullcontext() if until is None else time_limit(until, _over_time(suite))
+
+
 def run_prepared(suite: Suite, method: Method, phase: Phase, budget: int | None) -> bool:
     """Prepare `method` for one budget and phase, run its modes, undo it. False when the model could
     not be put back (the run must stop: every later number would be suspect)."""
     snapshot = {id(m): set(m.__dict__) for m in suite.model.modules()}
-    suite.method_until = None if suite.method_seconds is None else time.monotonic() + suite.method_seconds
+    until = None if suite.method_seconds is None else time.monotonic() + suite.method_seconds
     try:
-        with time_limit(suite.method_until, _over_time(suite) if suite.method_seconds else ""):
+        with method_limit(suite, until):
             setup, undo = method.prepare(suite.model, budget, phase.tokens, suite.device)
     except Exception as exc:
         for mode in suite.modes:
             add_row(suite, ResultRow(method.name, phase.name, budget, mode, tokens=phase.tokens,
                                      error=f"prepare: {first_line(exc)}"))
         return _undo(suite, method, lambda: suite.model.to(suite.home), snapshot)  # best effort
-    run_modes(suite, method, phase, budget, setup)
+    run_modes(suite, method, phase, budget, setup, until)
     return _undo(suite, method, undo, snapshot)
 
 
