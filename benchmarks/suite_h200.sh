@@ -3,7 +3,8 @@
 # Usage (from the repository root, with diffusers' wheel in .whl/ and $OUT set by the device tool):
 #   bash benchmarks/suite_h200.sh PART
 # Parts: verify | llama-ws | llama-uva | llama-peers | qwen-ws | qwen-peers | mixtral-ws
-#        | mixtral-peers | qwen-b64 | mixtral-b64 | qwen-diffusers | mixtral-diffusers | llama-50
+#        | mixtral-peers | qwen-b64 | mixtral-b64 | qwen-diffusers | mixtral-diffusers | qwen-uva
+#        | mixtral-uva | llama-uva-b64 | llama-50
 # MAX_SECONDS overrides a part's time budget (to share a call with another part).
 # Each writes its JSON and log under $OUT; copy them to benchmarks/results/ and run
 # `weightstream bench --report ...` (benchmarks/README.md) to regenerate docs/benchmarks.md.
@@ -60,6 +61,16 @@ qwen-diffusers)  # its preparation took over 75 s here: give it a limit of its o
 mixtral-diffusers)
     bench mixtral-8x7b_diffusers ${MAX_SECONDS:-420} --shape mixtral-8x7b --budgets 0.25 --phases decode-b1 \
         --modes eager --reps 3 --no-timeline --method-seconds 480 --methods resident,diffusers-group ;;
+qwen-uva)  # zero copy on the large shapes: the prefill bar (auto at least 2x faster than UVA)
+    bench qwen2.5-32b_uva ${MAX_SECONDS:-240} --shape qwen2.5-32b --budgets 0.25 --phases decode-b1,prefill-2048 \
+        --modes eager --reps 3 --no-timeline --method-seconds 150 --methods resident,ws-uva ;;
+mixtral-uva)
+    bench mixtral-8x7b_uva ${MAX_SECONDS:-240} --shape mixtral-8x7b --budgets 0.25 --phases decode-b1,prefill-2048 \
+        --modes eager --reps 3 --no-timeline --method-seconds 150 --methods resident,ws-uva ;;
+llama-uva-b64)  # the one 8B point UVA lacks
+    bench llama-3-8b_uva_b64 ${MAX_SECONDS:-200} --shape llama-3-8b --budgets 0.25 --phases decode-b64 \
+        --modes eager,compiled,graph --reps 5 --no-timeline --method-seconds 150 --methods resident,ws-uva \
+        --emulate-precision-casts ;;
 llama-50)  # the planner's one open question: 50% decode measured 7% over its prediction (docs/planner.md);
     # the timeline shows whether copies ran slower than the probe's bandwidth or the link sat idle
     bench llama-3-8b_50 ${MAX_SECONDS:-300} --shape llama-3-8b --budgets 0.5 --phases decode-b1 \

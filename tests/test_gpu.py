@@ -97,18 +97,10 @@ def logits_fn(model):
     return forward
 
 
-def capture(fn, static_input):
-    """Capture fn(static_input) in a CUDA graph after two warm-up calls; returns (graph, static_output)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side), torch.no_grad():
-        for _ in range(2):
-            fn(static_input)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph), torch.no_grad():
-        out = fn(static_input)
-    return graph, out
+def capture(fn, ids):
+    """timing.capture_graph under no_grad: a replay function whose input is written via .static_in."""
+    with torch.no_grad():
+        return capture_graph(fn, ids)
 
 
 @pytest.mark.parametrize("compiled", [False, True])
@@ -118,14 +110,11 @@ def test_manual_cuda_graph_replay_is_exact_and_self_contained(compiled, eager_ro
     fref, fmodel = logits_fn(ref), logits_fn(model)
     if compiled:
         fref, fmodel = torch.compile(fref, fullgraph=True), torch.compile(fmodel, fullgraph=True)
-    static_ref, static_model = ids_for(0).clone(), ids_for(0).clone()
-    gref, out_ref = capture(fref, static_ref)
-    gmodel, out_model = capture(fmodel, static_model)
+    replay_ref, replay_model = capture(fref, ids_for(0)), capture(fmodel, ids_for(0))
     for seed in range(1, 4):
-        static_ref.copy_(ids_for(seed))
-        static_model.copy_(ids_for(seed))
-        gref.replay()
-        gmodel.replay()
+        replay_ref.static_in.copy_(ids_for(seed))
+        replay_model.static_in.copy_(ids_for(seed))
+        out_ref, out_model = replay_ref(), replay_model()
         torch.cuda.synchronize()
         assert torch.equal(out_model, out_ref)
         # an unexpected eager call between replays gets the right weights and leaves none stale
@@ -199,13 +188,10 @@ def assert_exact_eager_compiled_and_in_a_graph(ref, model):
         assert torch.equal(model(ids_for(1)).logits, ref(ids_for(1)).logits)
         cref, cmodel = torch.compile(ref, fullgraph=True), torch.compile(model, fullgraph=True)
         assert torch.equal(cmodel(ids_for(2)).logits, cref(ids_for(2)).logits)
-    static_ref, static_model = ids_for(3).clone(), ids_for(3).clone()
-    gref, out_ref = capture(logits_fn(ref), static_ref)
-    gmodel, out_model = capture(logits_fn(model), static_model)
-    static_ref.copy_(ids_for(4))
-    static_model.copy_(ids_for(4))
-    gref.replay()
-    gmodel.replay()
+    replay_ref, replay_model = capture(logits_fn(ref), ids_for(3)), capture(logits_fn(model), ids_for(3))
+    replay_ref.static_in.copy_(ids_for(4))
+    replay_model.static_in.copy_(ids_for(4))
+    out_ref, out_model = replay_ref(), replay_model()
     torch.cuda.synchronize()
     assert torch.equal(out_model, out_ref)
 
