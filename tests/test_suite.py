@@ -116,6 +116,18 @@ def test_plot_timeline_from_events(tmp_path):
     assert png.stat().st_size > 0
 
 
+def test_timelines_of_one_method_and_phase_at_two_budgets_keep_both_plots(doc, tmp_path):
+    pytest.importorskip("matplotlib")
+    events = [["copy", "Memcpy HtoD (Pinned -> Device)", 0.0, 4.0], ["compute", "gemm", 0.5, 1.5]]
+    budgets = (doc["weight_bytes"] // 4, doc["weight_bytes"] // 2)
+    timelines = [{"method": "ws-auto", "phase": "decode-b1", "mode": "eager", "budget_bytes": b,
+                  "events": events} for b in budgets]
+    paths = suite.write_plots([{**doc, "timelines": timelines}], str(tmp_path))
+    names = sorted(n for n in map(os.path.basename, paths) if n.startswith("timeline"))
+    assert names == ["timeline_tiny_ws-auto_decode-b1_25pct.png", "timeline_tiny_ws-auto_decode-b1_50pct.png"]
+    assert all((tmp_path / n).stat().st_size > 0 for n in names)
+
+
 def test_report_mode_writes_the_page_and_plots(stored, tmp_path):
     pytest.importorskip("matplotlib")
     md = tmp_path / "benchmarks.md"
@@ -197,18 +209,29 @@ def test_recorded_h200_results_are_valid_and_render():
 
 
 def test_bar_lines_compare_auto_with_the_peers(doc):
-    def row(method, phase, ms, ratio=None):
+    def row(method, phase, ms, ratio=None, budget=500):
         return {**doc["results"][0], "method": method, "phase": phase, "mode": "eager", "median_ms": ms,
-                "ratio": ratio, "link_bound_ms": 100.0, "error": None, "skipped": None}
+                "ratio": ratio, "link_bound_ms": 100.0, "error": None, "skipped": None,
+                "budget_bytes": budget}
 
-    rows = [row("ws-auto", "decode-b1", 100.0, 1.04), row("accelerate-cpu_offload", "decode-b1", 900.0),
+    rows = [row("ws-auto", "decode-b1", 100.0, 1.04),
+            row("accelerate-cpu_offload", "decode-b1", 900.0, None, None),  # takes no budget: counts at any
             row("accelerate-device_map", "decode-b1", 450.0), row("ws-auto", "prefill-8", 100.0),
-            row("ws-uva", "prefill-8", 150.0)]
-    fake = {**doc, "results": rows}
+            row("ws-uva", "prefill-8", 150.0),
+            # at a larger budget: never compared with the rows above, and the missing peer is said
+            row("ws-auto", "decode-b1", 50.0, 1.10, 1000),
+            row("accelerate-device_map", "decode-b1", 60.0, None, 1000),
+            row("ws-auto", "prefill-8", 40.0, None, 1000)]
+    fake = {**doc, "results": rows, "weight_bytes": 2000}
     lines = suite.bar_lines([fake])
-    assert any("decode-b1" in x and "4.5x" in x and "NOT met" in x and "device_map" in x for x in lines)
-    assert any("1.040x the link bound" in x and "(met" in x for x in lines)
-    assert any("prefill-8" in x and "1.5x" in x and "NOT met: >= 2x" in x for x in lines)
+    assert any("decode-b1 at 500 B (25%)" in x and "4.5x" in x and "NOT met" in x and "device_map" in x
+               for x in lines)
+    assert any("at 500 B (25%)" in x and "1.040x the link bound" in x and "(met" in x for x in lines)
+    assert any("prefill-8 at 500 B (25%)" in x and "1.5x" in x and "NOT met: >= 2x" in x for x in lines)
+    assert any("decode-b1 at 1000 B (50%)" in x and "1.2x" in x for x in lines)
+    assert any("at 1000 B (50%)" in x and "1.100x the link bound" in x and "NOT met" in x for x in lines)
+    assert any("prefill-8 at 1000 B (50%)" in x and "ws-uva not measured at this budget" in x for x in lines)
+    assert len(lines) == 6
 
 
 def test_max_seconds_records_what_was_not_run_and_ends_cleanly(tmp_path):

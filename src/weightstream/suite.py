@@ -1080,10 +1080,14 @@ def _run_section(doc: dict, path: str) -> str:
     return "\n".join(lines)
 
 
-def _best(docs: list[dict], shape: str, phase: str, methods: tuple[str, ...]) -> dict | None:
-    """The fastest measured row of any of `methods` (any mode, budget and run) for a shape and phase."""
+def _best(docs: list[dict], shape: str, phase: str, methods: tuple[str, ...],
+          budget: int | None = None) -> dict | None:
+    """The fastest measured row of any of `methods` (any mode and run) for a shape and phase; with
+    `budget`, only rows at that budget or at none (a method that takes no budget, such as accelerate's
+    `cpu_offload`, uses less GPU memory than any)."""
     rows = [r for d in docs if d["shape"]["name"] == shape for r in d["results"]
-            if r["phase"] == phase and r["method"] in methods and r["median_ms"] is not None]
+            if r["phase"] == phase and r["method"] in methods and r["median_ms"] is not None
+            and (budget is None or r["budget_bytes"] in (budget, None))]
     return min(rows, key=lambda r: r["median_ms"], default=None)
 
 
@@ -1092,31 +1096,38 @@ def _label(row: dict | None) -> str:
 
 
 def bar_lines(docs: list[dict]) -> list[str]:
-    """Issue 5's bars, checked on stored results: per shape, weightstream `auto` (its fastest mode)
-    against accelerate's fastest method on each decode phase (>= 5x), against zero copy on each
-    prefill (>= 2x), and its ratio to the link bound on batch-1 decode (<= 1.05). One line each."""
+    """Issue 5's bars, checked on stored results: per shape, phase and weightstream budget, `auto` (its
+    fastest mode) against accelerate's fastest method on each decode phase (>= 5x) and against zero copy
+    on each prefill (>= 2x), both at the same budget, and its ratio to the link bound on batch-1 decode
+    (<= 1.05). One line each."""
     accelerate = tuple(m.name for m in METHODS if m.name.startswith("accelerate-"))
     lines = []
     for shape in dict.fromkeys(d["shape"]["name"] for d in docs):
-        phases = dict.fromkeys(r["phase"] for d in docs if d["shape"]["name"] == shape for r in d["results"])
-        for phase in phases:
-            decode = phase.startswith("decode")
-            auto = _best(docs, shape, phase, ("ws-auto",))
-            other = _best(docs, shape, phase, accelerate if decode else ("ws-uva",))
-            need = 5 if decode else 2
-            if auto and other:
-                speedup = other["median_ms"] / auto["median_ms"]
-                verdict = f"**{speedup:.1f}x** ({'met' if speedup >= need else 'NOT met'}: >= {need}x)"
-            else:
-                verdict = "cannot be checked: a side was not measured"
-            missing = [m for m in accelerate if decode and not _best(docs, shape, phase, (m,))]
-            if missing:
-                verdict += f"; not measured here: {', '.join(missing)}"
-            lines.append(f"- {shape} {phase}: ws-auto {_label(auto)} vs {_label(other)}: {verdict}")
-            if phase == "decode-b1" and auto and auto["ratio"] is not None:
-                ok = "met" if auto["ratio"] <= 1.05 else "NOT met"
-                lines.append(f"- {shape} {phase}: ws-auto at {auto['ratio']:.3f}x the link bound "
-                             f"({auto['link_bound_ms']:.1f} ms) ({ok}: <= 1.05)")
+        weight_bytes = next(d["weight_bytes"] for d in docs if d["shape"]["name"] == shape)
+        rows = [r for d in docs if d["shape"]["name"] == shape for r in d["results"]]
+        for phase in dict.fromkeys(r["phase"] for r in rows):
+            measured = [r for r in rows if r["phase"] == phase and r["median_ms"] is not None]
+            budgets = sorted({r["budget_bytes"] for r in measured if r["method"] == "ws-auto"})
+            for budget in budgets:
+                decode = phase.startswith("decode")
+                auto = _best(docs, shape, phase, ("ws-auto",), budget)
+                others = accelerate if decode else ("ws-uva",)
+                other = _best(docs, shape, phase, others, budget)
+                need = 5 if decode else 2
+                if other:
+                    speedup = other["median_ms"] / auto["median_ms"]
+                    verdict = f"**{speedup:.1f}x** ({'met' if speedup >= need else 'NOT met'}: >= {need}x)"
+                else:
+                    verdict = f"cannot be checked: {' or '.join(others)} not measured at this budget"
+                missing = [m for m in accelerate if decode and not _best(docs, shape, phase, (m,), budget)]
+                if other and missing:
+                    verdict += f"; not measured here: {', '.join(missing)}"
+                where = f"{shape} {phase} at {_budget_text(budget, weight_bytes)}"
+                lines.append(f"- {where}: ws-auto {_label(auto)} vs {_label(other)}: {verdict}")
+                if phase == "decode-b1" and auto["ratio"] is not None:
+                    ok = "met" if auto["ratio"] <= 1.05 else "NOT met"
+                    lines.append(f"- {where}: ws-auto at {auto['ratio']:.3f}x the link bound "
+                                 f"({auto['link_bound_ms']:.1f} ms) ({ok}: <= 1.05)")
     return lines
 
 
@@ -1158,7 +1169,8 @@ def write_plots(docs: list[dict], png_dir: str) -> list[str]:
         plot_tokens_per_s([d for d in docs if d["shape"]["name"] == shape], paths[-1])
     for doc in docs:
         for t in doc.get("timelines", []):
-            name = f"timeline_{doc['shape']['name']}_{t['method']}_{t['phase']}.png"
+            share = f"_{round(100 * t['budget_bytes'] / doc['weight_bytes'])}pct" if t["budget_bytes"] else ""
+            name = f"timeline_{doc['shape']['name']}_{t['method']}_{t['phase']}{share}.png"
             paths.append(os.path.join(png_dir, name))
             title = (f"{doc['shape']['name']} {t['method']} {t['phase']} {t['mode']}, "
                      f"budget {format_size(t['budget_bytes'])}")
