@@ -4,7 +4,7 @@
 #   bash benchmarks/suite_h200.sh PART
 # Parts: verify | llama-ws | llama-uva | llama-peers | qwen-ws | qwen-peers | mixtral-ws
 #        | mixtral-peers | qwen-b64 | mixtral-b64 | qwen-diffusers | mixtral-diffusers | qwen-uva
-#        | mixtral-uva | llama-uva-b64 | llama-50
+#        | mixtral-uva | llama-uva-b64 | llama-50 | mixtral-routed
 # MAX_SECONDS overrides a part's time budget (to share a call with another part).
 # Each writes its JSON and log under $OUT; copy them to benchmarks/results/ and run
 # `weightstream bench --report ...` (benchmarks/README.md) to regenerate docs/benchmarks.md.
@@ -75,6 +75,9 @@ llama-50)  # the planner's one open question: 50% decode measured 7% over its pr
     # the timeline shows whether copies ran slower than the probe's bandwidth or the link sat idle
     bench llama-3-8b_50 ${MAX_SECONDS:-300} --shape llama-3-8b --budgets 0.5 --phases decode-b1 \
         --modes eager,graph --reps 10 --methods resident,ws-auto --emulate-precision-casts ;;
+mixtral-routed)  # auto after the cost model learned routed experts: zero copy at decode, streaming at prefill
+    bench mixtral-8x7b_auto_routed ${MAX_SECONDS:-240} --shape mixtral-8x7b --budgets 0.25 \
+        --phases decode-b1,decode-b64,prefill-2048 --modes eager --methods resident,ws-auto --reps 5 --no-timeline ;;
 *)
     echo "unknown part $1" >&2
     exit 2 ;;

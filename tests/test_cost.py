@@ -67,3 +67,19 @@ def test_a_block_streaming_part_of_itself_copies_only_that_part():
     # two slots, copies of 8 s: the second lands at 16; each block still computes all its 10 bytes (1 s)
     assert predict(model, (0, 1), 2, (), 1, PROFILE, part=1).ms == pytest.approx(17e3)
     assert predict(model, (0, 1), 2, (), 1, PROFILE).ms == pytest.approx(21e3)
+
+
+def test_routed_experts_are_read_in_the_share_any_token_reaches():
+    # blocks of 2 dense bytes and 8 bytes in 4 experts, 2 per token: one token reaches half the experts,
+    # two tokens 1 - (1/2)^2 = 3/4 of them (each at 2 * 2 / (4 * 3/4) = 4/3 tokens), many tokens all
+    moe = ModelCost(fixed_bytes=0, head_bytes=0, block_bytes=(10, 10), routed_bytes=(8, 8), experts=4,
+                    top_k=2)
+    assert moe.reads(0, 1) == ((2, 1), (4.0, 1.0))
+    assert moe.reads(0, 2) == ((2, 2), (6.0, pytest.approx(4 / 3)))
+    assert moe.reads(0, 2048)[1][0] == pytest.approx(8.0)
+    assert MODEL.reads(0, 1) == ((10, 1),)  # dense: every byte at every token
+    # zero copy reads 6 bytes per block over the link (2 s/byte); resident GEMMs 0.6 s per block
+    assert predict(moe, (), 0, (0, 1), 1, PROFILE).ms == pytest.approx(2 * 6 * 2.0 * 1e3)
+    assert predict(moe, (), 0, (), 1, PROFILE).ms == pytest.approx(2 * 0.6 * 1e3)
+    # a copy moves every expert (the router has not run): 10 s per block, whatever the tokens
+    assert predict(moe, (0, 1), 2, (), 1, PROFILE).ms == pytest.approx(20e3 + 0.6e3)

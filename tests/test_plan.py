@@ -141,3 +141,25 @@ def test_streaming_the_largest_tensors_of_every_block_fills_the_budget_closer():
     p = plan(model, budget=4096, tokens=1, profile=H200, strategy="stream")
     assert p.part == 1 and p.streamed == (0, 1, 2, 3) and p.n_slots == 1
     assert p.resident_bytes == 8 * 256 and p.slot_bytes == 2048 and p.gpu_bytes == 4096
+
+
+def test_mixture_of_experts_decode_reads_routed_experts_in_place_and_prefill_streams():
+    """On the Mixtral-8x7B shape at 25% of its weights, one token reaches 2 of 8 experts per block: zero
+    copy reads about a quarter of the expert bytes, while a copy moves all of them (measured on the H200:
+    398.9 ms for zero copy against 1341.4 ms streaming). At 2048 tokens every expert is reached and
+    streaming wins."""
+    pytest.importorskip("transformers")
+    from weightstream.offload import prepare
+    from weightstream.shapes import meta_model
+
+    model = meta_model("mixtral-8x7b")
+    budget = int(0.25 * sum(p.numel() * p.element_size() for p in model.parameters()))
+    decode = prepare(model, budget, "cpu", allow_meta=True, tokens=1)
+    expert_bytes = 32 * 3 * 8 * 4096 * 14336 * 2
+    assert sum(decode.cost.routed_bytes) == expert_bytes
+    assert (decode.cost.experts, decode.cost.top_k) == (8, 2)
+    assert decode.placement.strategy == "uva" and decode.placement.prediction.ms < 500
+    prefill = prepare(model, budget, "cpu", allow_meta=True, tokens=2048)
+    assert prefill.placement.strategy == "stream"
+    dense = prepare(meta_model("llama-3-8b"), 4 * 2**30, "cpu", allow_meta=True)
+    assert dense.cost.routed_bytes == () and dense.cost.experts == 0

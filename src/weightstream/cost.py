@@ -7,6 +7,11 @@ their weights over the link; a streamed block cannot start before its group's co
 copy waits for the copy stream and for its slot to be released (the schedule of `schedule.py`, simulated
 with two clocks). Zero-copy reads and copies share the one link, so they never overlap each other. The
 LM head runs last. Rates come from a `MachineProfile` (`probe.py`).
+
+In a mixture-of-experts block a token's GEMMs read only the experts it is routed to: at few tokens per
+forward the block's GEMMs read a share of its expert bytes (the share of experts any token is routed
+to), each expert at the tokens routed to it. That holds wherever the weights are, so a zero-copy block
+reads only those bytes over the link, while a copy must move every expert (the router has not run yet).
 """
 
 from __future__ import annotations
@@ -37,6 +42,20 @@ class ModelCost:
     width: int = 0  # activation width (hidden size) of a block; 0: count GEMM time only
     # each block's streamable tensors, in layout order; (): blocks can only be placed whole
     tensor_bytes: tuple[tuple[int, ...], ...] = ()
+    routed_bytes: tuple[int, ...] = ()  # each block's bytes of routed experts (mixture of experts); (): none
+    experts: int = 0  # routed experts per block
+    top_k: int = 0  # experts each token is routed to
+
+    def reads(self, block: int, tokens: int) -> tuple[tuple[float, float], ...]:
+        """(bytes, tokens) of the GEMMs of `block` at `tokens` tokens per forward: its dense bytes at
+        every token, and the expected bytes of the routed experts that any token reaches, each at the
+        tokens routed to it (tokens choosing top_k of the experts uniformly)."""
+        routed = self.routed_bytes[block] if self.routed_bytes else 0
+        dense = (self.block_bytes[block] - routed, tokens)
+        if not routed:
+            return (dense,)
+        share = 1.0 - (1.0 - self.top_k / self.experts) ** tokens
+        return dense, (routed * share, tokens * self.top_k / (self.experts * share))
 
     def streamed_bytes(self, block: int, part: int = 0) -> int:
         """Bytes of `block` that stream when its `part` largest tensors do (0: the whole block)."""
@@ -88,9 +107,12 @@ def predict(
         link += seconds
         done[group] = copy
 
-    for block, nbytes in enumerate(model.block_bytes):
+    def gemm_seconds(rate, block: int) -> float:
+        return sum(rate(nbytes, m) for nbytes, m in model.reads(block, tokens))
+
+    for block in range(len(model.block_bytes)):
         if block in uva_set:  # reads its weights over the link: the link is busy, copies wait
-            seconds = profile.uva_seconds(nbytes, tokens)
+            seconds = gemm_seconds(profile.uva_seconds, block)
             compute = copy = max(compute, copy) + seconds
             link += seconds
             compute += extra  # the block's other kernels read no weights: the link is free again
@@ -101,10 +123,10 @@ def predict(
                 start_copy(first, compute)  # the prologue, issued when the forward reaches group 0
         if g is not None:
             compute = max(compute, done[g])
-        compute += profile.resident_seconds(nbytes, tokens) + extra
+        compute += gemm_seconds(profile.resident_seconds, block) + extra
         if g is not None and g + n_slots < len(streamed):
             start_copy(g + n_slots, compute)  # released: the next group of this slot
     compute += profile.resident_seconds(model.head_bytes, tokens)
-    resident = sum(profile.resident_seconds(b, tokens) + extra for b in model.block_bytes)
+    resident = sum(gemm_seconds(profile.resident_seconds, b) + extra for b in range(len(model.block_bytes)))
     resident += profile.resident_seconds(model.head_bytes, tokens)
     return Prediction(compute * 1e3, resident * 1e3, link * 1e3, "link" if link >= resident else "compute")

@@ -407,15 +407,31 @@ class Prepared:
         return self.group_bytes + self.uva_group_bytes
 
 
-def model_cost(entries: list[Entry], per_block: list[list[Entry]], slot_bytes: list[int], width: int = 0
-               ) -> ModelCost:
+def model_cost(entries: list[Entry], per_block: list[list[Entry]], slot_bytes: list[int], width: int = 0,
+               routing: tuple[int, int] = (0, 0)) -> ModelCost:
     """The cost model's view of a model: fixed bytes, LM head bytes, each block's streamable bytes and
-    staging footprint, and the blocks' activation width (0 when unknown)."""
+    staging footprint, the blocks' activation width (0 when unknown) and, for a mixture of experts with
+    `routing` = (experts, experts per token), each block's bytes of routed experts: its 3-D tensors
+    whose first dimension is the expert."""
     outside = [e.nbytes for e in entries if e.owner is None]
     block_bytes = tuple(sum(e.nbytes for e in group) for group in per_block)
     tensor_bytes = tuple(tuple(e.nbytes for e in group) for group in per_block)
+    experts, top_k = routing
+    routed = tuple(sum(e.nbytes for e in group if len(e.shape) == 3 and e.shape[0] == experts)
+                   for group in per_block) if experts else ()
     return ModelCost(sum(outside), max(outside, default=0), block_bytes, tuple(slot_bytes), width,
-                     tensor_bytes)
+                     tensor_bytes, routed if any(routed) else (), experts, top_k)
+
+
+def expert_routing(model: nn.Module) -> tuple[int, int]:
+    """(experts, experts per token) of a transformers mixture-of-experts model, from its config
+    (`num_local_experts` or `num_experts`, and `num_experts_per_tok`); (0, 0) for any other model."""
+    config = getattr(model, "config", None)
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    top_k = getattr(config, "num_experts_per_tok", None)
+    if isinstance(experts, int) and isinstance(top_k, int) and 0 < top_k < experts:
+        return experts, top_k
+    return 0, 0
 
 
 def activation_width(model: nn.Module) -> int:
@@ -459,7 +475,8 @@ def prepare(
         raise ValueError(f"tokens={tokens}: give the tokens per forward to optimize for, at least 1")
     if strategy == "uva" and device.type == "cuda" and not pin_memory:
         raise ValueError("strategy='uva' reads pinned host memory in place: it needs pin_memory=True")
-    cost = model_cost(entries, per_block, [size for _, size in layouts], activation_width(model))
+    cost = model_cost(entries, per_block, [size for _, size in layouts], activation_width(model),
+                      expert_routing(model))
     placement = plan(cost, budget, tokens, load_profile(device), strategy)
 
     def grouped(indices, part=0):
