@@ -1053,7 +1053,9 @@ by hand. Every number is one forward, `model(ids, use_cache=False)`, of a model 
 - **median ms**: median of CUDA-event timings of repeated forwards after two warm-up calls, each from an
   idle GPU; **tokens/s** = tokens per forward / median.
 - **link bound ms**: bytes that cross the host->GPU link per forward / the pinned bandwidth measured at
-  the start of the run; **ratio** = median / link bound (1.00 = as fast as the link allows).
+  the start of the run; **ratio** = median / link bound (1.00 = as fast as the link allows). For zero
+  copy the bytes are every weight read in place; a mixture-of-experts block reads only the experts its
+  tokens are routed to, so there a ratio below 1 means fewer bytes crossed, not a faster link.
 - **exact**: `torch.equal` of the logits against the reference of the same phase and mode (the resident
   model run the same way, or, for a model that does not fit the GPU, the first weightstream method);
   `ref` marks the reference itself.
@@ -1126,8 +1128,10 @@ def bar_lines(docs: list[dict]) -> list[str]:
                 lines.append(f"- {where}: ws-auto {_label(auto)} vs {_label(other)}: {verdict}")
                 if phase == "decode-b1" and auto["ratio"] is not None:
                     ok = "met" if auto["ratio"] <= 1.05 else "NOT met"
+                    below = ("; below 1: routed experts read in place, fewer bytes than the bound counts"
+                             if auto["ratio"] < 0.9 else "")
                     lines.append(f"- {where}: ws-auto at {auto['ratio']:.3f}x the link bound "
-                                 f"({auto['link_bound_ms']:.1f} ms) ({ok}: <= 1.05)")
+                                 f"({auto['link_bound_ms']:.1f} ms) ({ok}: <= 1.05{below})")
     return lines
 
 
