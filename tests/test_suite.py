@@ -221,7 +221,8 @@ def test_bar_lines_compare_auto_with_the_peers(doc):
             # at a larger budget: never compared with the rows above, and the missing peer is said
             row("ws-auto", "decode-b1", 50.0, 1.10, 1000),
             row("accelerate-device_map", "decode-b1", 60.0, None, 1000),
-            row("ws-auto", "prefill-8", 40.0, None, 1000)]
+            row("ws-auto", "prefill-8", 40.0, None, 1000),
+            row("accelerate-device_map", "decode-b64", 60.0)]  # a phase without ws-auto is said
     fake = {**doc, "results": rows, "weight_bytes": 2000}
     lines = suite.bar_lines([fake])
     assert any("decode-b1 at 500 B (25%)" in x and "4.5x" in x and "NOT met" in x and "device_map" in x
@@ -231,7 +232,8 @@ def test_bar_lines_compare_auto_with_the_peers(doc):
     assert any("decode-b1 at 1000 B (50%)" in x and "1.2x" in x for x in lines)
     assert any("at 1000 B (50%)" in x and "1.100x the link bound" in x and "NOT met" in x for x in lines)
     assert any("prefill-8 at 1000 B (50%)" in x and "ws-uva not measured at this budget" in x for x in lines)
-    assert len(lines) == 6
+    assert "- tiny decode-b64: cannot be checked: ws-auto not measured" in lines
+    assert len(lines) == 7
 
 
 def test_max_seconds_records_what_was_not_run_and_ends_cleanly(tmp_path):
