@@ -1082,14 +1082,11 @@ def _run_section(doc: dict, path: str) -> str:
     return "\n".join(lines)
 
 
-def _best(docs: list[dict], shape: str, phase: str, methods: tuple[str, ...],
-          budget: int | None = None) -> dict | None:
-    """The fastest measured row of any of `methods` (any mode and run) for a shape and phase; with
-    `budget`, only rows at that budget or at none (a method that takes no budget, such as accelerate's
+def _best(rows: list[dict], methods: tuple[str, ...], budget: int | None) -> dict | None:
+    """The fastest of `rows` (measured rows of one shape and phase, any mode and run) of any of
+    `methods` at `budget` or at none (a method that takes no budget, such as accelerate's
     `cpu_offload`, uses less GPU memory than any)."""
-    rows = [r for d in docs if d["shape"]["name"] == shape for r in d["results"]
-            if r["phase"] == phase and r["method"] in methods and r["median_ms"] is not None
-            and (budget is None or r["budget_bytes"] in (budget, None))]
+    rows = [r for r in rows if r["method"] in methods and r["budget_bytes"] in (budget, None)]
     return min(rows, key=lambda r: r["median_ms"], default=None)
 
 
@@ -1115,14 +1112,14 @@ def bar_lines(docs: list[dict]) -> list[str]:
             decode = phase.startswith("decode")
             others, need = (accelerate, 5) if decode else (("ws-uva",), 2)
             for budget in budgets:
-                auto = _best(docs, shape, phase, ("ws-auto",), budget)
-                other = _best(docs, shape, phase, others, budget)
+                auto = _best(measured, ("ws-auto",), budget)
+                other = _best(measured, others, budget)
                 if other:
                     speedup = other["median_ms"] / auto["median_ms"]
                     verdict = f"**{speedup:.1f}x** ({'met' if speedup >= need else 'NOT met'}: >= {need}x)"
                 else:
                     verdict = f"cannot be checked: {' or '.join(others)} not measured at this budget"
-                missing = [m for m in accelerate if decode and not _best(docs, shape, phase, (m,), budget)]
+                missing = [m for m in accelerate if decode and not _best(measured, (m,), budget)]
                 if other and missing:
                     verdict += f"; not measured here: {', '.join(missing)}"
                 where = f"{shape} {phase} at {_budget_text(budget, weight_bytes)}"
