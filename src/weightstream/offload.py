@@ -8,14 +8,16 @@ forward runs the two schedule ops around it. The model stays an ordinary `nn.Mod
 
 from __future__ import annotations
 
+import threading
 import types
 import warnings
 from dataclasses import dataclass
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
-from . import ops
+from . import ops, replay
 from .blocks import find_blocks
 from .cost import ModelCost, largest
 from .disk import DiskTier
@@ -30,6 +32,7 @@ from .transfer import CudaTransfer, SyncTransfer
 from .uva import uva_view
 
 _HANDLE_ATTR = "_weightstream_handle"
+LOCK_TIMEOUT_S = 300.0  # how long a thread waits for another thread's block before it gives up
 
 
 @dataclass(frozen=True)
@@ -66,7 +69,10 @@ class Entry:
 
 @dataclass(frozen=True)
 class OffloadStats:
-    """What an offload placed where. Sizes in bytes; copies and fetches count since offload."""
+    """What an offload placed where. Sizes in bytes. Counts since offload: `copies` (asynchronous
+    group copies), `prologues` (passes entered with nothing prefetched: a forward after a capture or
+    replay, or the first), `misses` (waits whose group was not prefetched because the run order
+    differed from the learned one; each costs one group's copy time) and `misses_last_pass`."""
 
     device: str
     resident_bytes: int
@@ -78,7 +84,9 @@ class OffloadStats:
     groups: int
     slots: int
     copies: int
-    fetches: int
+    prologues: int
+    misses: int
+    misses_last_pass: int
     strategy: str
     predicted_ms: float | None
 
@@ -89,7 +97,8 @@ class OffloadStats:
             f"zero copy {format_size(self.uva_bytes)}, "
             f"staging {format_size(self.staging_bytes)} in {self.slots} slots, "
             f"pinned {format_size(self.pinned_bytes)}, read from disk {format_size(self.disk_bytes)}; "
-            f"{self.copies} async copies, {self.fetches} sync fetches; strategy {self.strategy}"
+            f"{self.copies} async copies, {self.prologues} pass prologues, {self.misses} misses "
+            f"({self.misses_last_pass} in the last pass); strategy {self.strategy}"
         )
 
 
@@ -156,25 +165,21 @@ def _resolve_device(device: str | torch.device | None) -> torch.device:
     return device
 
 
-def _find_hidden(value):
-    """Return a function that replaces the first tensor in `value` (a tensor, a sequence or a mapping),
-    and that tensor; (None, None) when there is none."""
-    if isinstance(value, torch.Tensor):
-        return (lambda new: new), value
-    if isinstance(value, (tuple, list)):
-        for i, item in enumerate(value):
-            if isinstance(item, torch.Tensor):
-                return (lambda new, i=i: type(value)((*value[:i], new, *value[i + 1 :]))), item
-    if isinstance(value, dict):
-        for key, item in value.items():
-            if isinstance(item, torch.Tensor):
+def _tensor_leaves(tree) -> tuple[list, object, list[int]]:
+    """Flatten `tree` (tensors nested in tuples, lists, dicts, dataclasses registered with pytree);
+    returns the leaves, the structure and the positions of the tensor leaves."""
+    leaves, spec = pytree.tree_flatten(tree)
+    return leaves, spec, [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
 
-                def put(new, key=key):
-                    value[key] = new
-                    return value
 
-                return put, item
-    return None, None
+def _through(op, tree, engine_id: int, group: int):
+    """`tree` with every tensor in it replaced by what `op` returns for it (one call for all)."""
+    leaves, spec, where = _tensor_leaves(tree)
+    if not where:
+        return tree, False
+    for i, new in zip(where, op([leaves[i] for i in where], engine_id, group), strict=True):
+        leaves[i] = new
+    return pytree.tree_unflatten(leaves, spec), True
 
 
 class OffloadHandle:
@@ -206,37 +211,74 @@ class OffloadHandle:
             CudaTransfer(arena, slots, prep.device, disk, pin) if cuda else SyncTransfer(arena, slots, disk)
         )
         self._warned = False
+        self._capturing = False  # whether the last op ran inside a CUDA graph capture
+        self._lock = threading.Lock()
+        self._owner: int | None = None  # thread id holding _lock
         self._streamed_modules: list[nn.Module] = []
         self._patched: list[nn.Module] = []
         self.engine_id = ops.register(self)
+        replay.install(ops.engines)
         self.restored = False
 
     # --- the schedule, called from the custom ops -------------------------------------------------
     def wait(self, group: int) -> None:
         """Make group `group`'s weights ready in its slot before its block computes."""
+        self._enter()
         self._transfer.check_capture()
+        capturing = self._transfer.capturing()
+        if capturing != self._capturing:  # a capture began or ended: its copies ran not / not yet
+            self._capturing = capturing
+            self._schedule.invalidate()
         plan = self._schedule.on_wait(group)
-        for slot in plan.prologue:
-            self._transfer.start_copy(slot, slot)
-        if plan.hit:
-            self._transfer.wait(plan.slot)
-            return
-        if not self._warned:
+        for slot, g in plan.copies:
+            self._transfer.start_copy(slot, g)
+        self._transfer.wait(plan.slot)
+        if plan.miss and not self._warned:
             self._warned = True
             warnings.warn(
-                f"weightstream: block {self.streamed_blocks[group]} ran out of the planned order; its "
-                "weights were fetched synchronously (correct, but slower). Warned once per model.",
+                f"weightstream: block {self.streamed_blocks[group]} ran out of the learned order; its "
+                "weights were copied when it was called (correct, but slower) and the new order is "
+                "learned. handle.stats.misses counts such waits. Warned once per model.",
                 stacklevel=2,
             )
-        self._transfer.fetch_now(plan.slot, group)
 
     def release(self, group: int) -> None:
         """After group `group` computed: start the copy of the next group that uses its slot."""
-        nxt = self._schedule.on_release(group)
-        if nxt is not None:
-            self._transfer.start_copy(self._schedule.slot(group), nxt)
-        if self._schedule.is_last(group):
+        plan = self._schedule.on_release(group)
+        if plan.copy is not None:
+            self._transfer.start_copy(*plan.copy)
+        if plan.join:
             self._transfer.join()
+        self._leave()
+
+    def abort(self) -> None:
+        """A block raised between its wait and its release: free the engine for other threads. The
+        slots' bookkeeping stays true (nothing was copied behind its back)."""
+        self._leave()
+
+    def on_graph_event(self) -> None:
+        """A CUDA graph capture begins or ends, or a replay starts (`replay.py`): join the eager copies
+        in flight and forget what the slots hold."""
+        self._transfer.join_eager()
+        self._schedule.invalidate()
+
+    def _enter(self) -> None:
+        """Serialize blocks across threads: two threads' blocks never interleave inside one block."""
+        me = threading.get_ident()
+        if self._owner == me:
+            return  # this thread's last block raised inside a compiled graph before its release
+        if not self._lock.acquire(timeout=LOCK_TIMEOUT_S):
+            raise OffloadStateError(
+                f"weightstream: another thread has held this offloaded model for {LOCK_TIMEOUT_S:.0f} s "
+                "inside one block (a compiled forward that raised part-way leaves it held): call the "
+                "model from one thread at a time, or offload one copy of it per thread"
+            )
+        self._owner = me
+
+    def _leave(self) -> None:
+        if self._owner == threading.get_ident():
+            self._owner = None
+            self._lock.release()
 
     # --- user-facing -----------------------------------------------------------------------------
     @property
@@ -256,7 +298,9 @@ class OffloadHandle:
             groups=len(self._groups),
             slots=p.n_slots,
             copies=self._schedule.copies,
-            fetches=self._schedule.fetches,
+            prologues=self._schedule.prologues,
+            misses=self._schedule.misses,
+            misses_last_pass=self._schedule.misses_last_pass,
             strategy=p.strategy,
             predicted_ms=p.prediction.ms if p.prediction else None,
         )
@@ -330,28 +374,32 @@ _STREAMED_CLASSES: dict[type, type] = {}
 
 
 def _streamed_forward(self, *args, **kwargs):
-    """Forward of a streamed block: wait for its group, compute, release the slot."""
+    """Forward of a streamed block: wait for its group, compute, release the slot. Every tensor the
+    block is called with goes through the wait and every tensor it returns through the release, so no
+    weight read can leave the window (ops.py says why)."""
     base = type(self).__mro__[1]
     engine_id, group = self._ws_engine_id, self._ws_group
-    replace, hidden = _find_hidden(args)
-    if hidden is not None:
-        args = replace(ops.wait(hidden, engine_id, group))
-    else:
-        replace, hidden = _find_hidden(kwargs)
-        if hidden is None:
-            raise WeightstreamError(
-                f"{base.__name__} was called with no tensor argument: weightstream orders its copies "
-                "through the block's input hidden state"
-            )
-        kwargs = replace(ops.wait(hidden, engine_id, group))
-    output = base.forward(self, *args, **kwargs)
-    replace, hidden = _find_hidden(output)
-    if hidden is None:
+    (args, kwargs), found = _through(ops.wait, (args, kwargs), engine_id, group)
+    if not found:
         raise WeightstreamError(
-            f"{base.__name__} returned no tensor: weightstream orders its copies through the block's "
-            "output hidden state"
+            f"{base.__name__} was called with no tensor argument: weightstream orders its copies "
+            "through the tensors a block is called with"
         )
-    return replace(ops.release(hidden, engine_id, group))
+    if torch.compiler.is_compiling():
+        output = base.forward(self, *args, **kwargs)
+    else:
+        try:
+            output = base.forward(self, *args, **kwargs)
+        except BaseException:
+            ops.abort(engine_id)
+            raise
+    output, found = _through(ops.release, output, engine_id, group)
+    if not found:
+        raise WeightstreamError(
+            f"{base.__name__} returned no tensor: weightstream orders its copies through the tensors "
+            "a block returns"
+        )
+    return output
 
 
 def _streamed_class(base: type) -> type:
@@ -450,12 +498,13 @@ def prepare(
     strategy: str = "auto",
     tokens: int = 1,
     pin_memory: bool = True,
+    placement: Placement | None = None,
 ) -> Prepared:
     """Check the model and plan what stays on `device`, what streams and what is read in place
     (zero copy); moves nothing yet.
 
     allow_meta: accept parameters on the meta device (a model built empty, to be filled from a
-    checkpoint straight into its final places). strategy, tokens: see `offload`.
+    checkpoint straight into its final places). strategy, tokens, placement: see `offload`.
     """
     budget = parse_size(gpu_memory)
     device = _resolve_device(device)
@@ -477,7 +526,14 @@ def prepare(
         raise ValueError("strategy='uva' reads pinned host memory in place: it needs pin_memory=True")
     cost = model_cost(entries, per_block, [size for _, size in layouts], activation_width(model),
                       expert_routing(model))
-    placement = plan(cost, budget, tokens, load_profile(device), strategy)
+    if placement is None:
+        placement = plan(cost, budget, tokens, load_profile(device), strategy)
+    elif placement.gpu_bytes > budget or max(placement.streamed + placement.uva, default=-1) >= len(found):
+        raise WeightstreamError(
+            f"the given placement needs {format_size(placement.gpu_bytes)} of GPU memory for blocks up to "
+            f"{max(placement.streamed + placement.uva, default=-1)}; the budget is {format_size(budget)} "
+            f"and the model has {len(found)} blocks: make it with plan.placement_of for this model"
+        )
 
     def grouped(indices, part=0):
         """Each block's (entry, slice) pairs and region size: its `part` largest tensors (0: all)."""
@@ -570,6 +626,7 @@ def offload(
     blocks: list[str] | None = None,
     strategy: str = "auto",
     tokens: int = 1,
+    placement: Placement | None = None,
 ) -> OffloadHandle:
     """Offload `model` in place so its weights take at most `gpu_memory` on `device`; return the handle.
 
@@ -585,9 +642,11 @@ def offload(
         staging slots ahead of use) or "uva" (kernels read blocks in place from pinned host memory,
         no staging memory).
     tokens: tokens per forward to plan for (1 = batch-1 decode; 2048 for such a prefill).
+    placement: use this placement instead of planning one (`plan.placement_of` makes one from the
+        model's cost, `prepare(...).cost`): how tests and tools force the case they need.
     """
     prep = prepare(model, gpu_memory, device, blocks, strategy=strategy, tokens=tokens,
-                   pin_memory=pin_memory)
+                   pin_memory=pin_memory, placement=placement)
     pin = pin_memory and prep.device.type == "cuda"
     arena = HostArena(prep.host_group_bytes, pin=pin)
     places = final_places(prep, arena, keep_on_device=True)

@@ -1,12 +1,15 @@
 """The two custom ops that carry the streaming schedule through a model's forward.
 
 Why custom ops: under torch.compile the schedule must be opaque to the compiler (it cannot trace
-stream and event calls) and must stay in place relative to the block's compute. Each op takes the
-block's hidden state and returns a copy of it, so everything in the block depends on `wait` and
-`release` depends on everything in the block: the compiler cannot move weight reads across them.
-Declaring the streamed WEIGHTS as mutated instead gives wrong outputs (functionalization clones the
-aliased slot views) and breaks CUDA-graph capture (see DESIGN.md). The ops only enqueue GPU work
-(event waits and async copies), so a CUDA graph captures the whole schedule and replays it alone.
+stream and event calls) and must stay in place relative to the block's compute. `wait` takes every
+tensor the block is called with and returns a copy of each, which the block then computes from;
+`release` takes every tensor the block returns and returns copies. So everything the block computes
+from its inputs depends on `wait`, and `release` depends on everything it returns: the compiler cannot
+move a weight read out of the window, whichever input or output the read is on (a diffusion block
+reads weights on its text stream and its time embedding too, and returns two streams). Declaring the
+streamed WEIGHTS as mutated instead gives wrong outputs (functionalization clones the aliased slot
+views) and breaks CUDA-graph capture (measured on the H200; see docs/exactness.md). The ops only
+enqueue GPU work (event waits and async copies), so a CUDA graph captures the whole schedule.
 
 Engines are found by an integer id, so two offloaded models in one process stay independent.
 """
@@ -23,6 +26,8 @@ import torch
 class _Engine(Protocol):
     def wait(self, group: int) -> None: ...
     def release(self, group: int) -> None: ...
+    def abort(self) -> None: ...
+    def on_graph_event(self) -> None: ...
 
 
 # Weak: a model dropped without restore() frees its arena and slots like any other object.
@@ -42,6 +47,11 @@ def unregister(engine_id: int) -> None:
     _ENGINES.pop(engine_id, None)
 
 
+def engines() -> list[_Engine]:
+    """Every live engine (for `replay.notify`)."""
+    return list(_ENGINES.values())
+
+
 def _engine(engine_id: int) -> _Engine:
     try:
         return _ENGINES[engine_id]
@@ -53,25 +63,34 @@ def _engine(engine_id: int) -> _Engine:
         ) from None
 
 
+def abort(engine_id: int) -> None:
+    """A block of this engine raised between its wait and its release (eager only): let go of it."""
+    engine = _ENGINES.get(engine_id)
+    if engine is not None:
+        engine.abort()
+
+
 @torch.library.custom_op("weightstream::wait", mutates_args=())
-def wait(hidden: torch.Tensor, engine_id: int, group: int) -> torch.Tensor:
-    """Before block `group`: make its weights ready in their slot; returns a copy of `hidden`."""
+def wait(tensors: list[torch.Tensor], engine_id: int, group: int) -> list[torch.Tensor]:
+    """Before block `group`: make its weights ready in their slot; returns a copy of each of the
+    block's input tensors."""
     _engine(engine_id).wait(group)
-    return hidden.clone()
+    return [t.clone() for t in tensors]
 
 
 @wait.register_fake
-def _wait_fake(hidden: torch.Tensor, engine_id: int, group: int) -> torch.Tensor:
-    return torch.empty_like(hidden)
+def _wait_fake(tensors: list[torch.Tensor], engine_id: int, group: int) -> list[torch.Tensor]:
+    return [torch.empty_like(t) for t in tensors]
 
 
 @torch.library.custom_op("weightstream::release", mutates_args=())
-def release(hidden: torch.Tensor, engine_id: int, group: int) -> torch.Tensor:
-    """After block `group`: free its slot and start the next copy into it; returns a copy of `hidden`."""
+def release(tensors: list[torch.Tensor], engine_id: int, group: int) -> list[torch.Tensor]:
+    """After block `group`: free its slot and start the next copy into it; returns a copy of each of
+    the block's output tensors."""
     _engine(engine_id).release(group)
-    return hidden.clone()
+    return [t.clone() for t in tensors]
 
 
 @release.register_fake
-def _release_fake(hidden: torch.Tensor, engine_id: int, group: int) -> torch.Tensor:
-    return torch.empty_like(hidden)
+def _release_fake(tensors: list[torch.Tensor], engine_id: int, group: int) -> list[torch.Tensor]:
+    return [torch.empty_like(t) for t in tensors]

@@ -86,6 +86,37 @@ def _candidates(n: int, strategy: str, max_slots: int, max_part: int):
                 yield off, (), n_slots, part
 
 
+def placement_of(
+    model: ModelCost,
+    streamed: tuple[int, ...],
+    n_slots: int,
+    uva: tuple[int, ...] = (),
+    part: int = 0,
+    tokens: int = 1,
+    profile: MachineProfile | None = None,
+    budget: int | None = None,
+) -> Placement | None:
+    """The placement that streams blocks `streamed` through `n_slots` slots (each block's `part`
+    largest tensors; 0: all of it) and reads blocks `uva` in place, with its predicted time; None when
+    it does not fit `budget` bytes (no limit when None). Tests and tools use it to force a placement."""
+    if profile is None:
+        from .probe import H200 as profile
+    sizes = model.block_bytes
+    if bool(streamed) != (n_slots > 0) or set(streamed) & set(uva):
+        raise ValueError(f"streamed={streamed}, uva={uva}, n_slots={n_slots}: streamed blocks need at "
+                         "least one slot, and a block is streamed or read in place, not both")
+    off = set(streamed) | set(uva)
+    resident = model.fixed_bytes + sum(b for i, b in enumerate(sizes) if i not in off)
+    resident += sum(sizes[i] - model.streamed_bytes(i, part) for i in streamed)
+    slot = max((model.staging(i, part) for i in streamed), default=0)
+    if budget is not None and resident + n_slots * slot > budget:
+        return None
+    prediction = predict(model, streamed, n_slots, uva, tokens, profile, part)
+    total = model.fixed_bytes + sum(sizes)
+    return Placement(tuple(streamed), n_slots, slot, resident, total - resident, tuple(uva),
+                     sum(sizes[i] for i in uva), prediction, part)
+
+
 def plan(
     model: ModelCost,
     budget: int,
@@ -104,22 +135,13 @@ def plan(
         raise ValueError(f"strategy={strategy!r}: choose one of {', '.join(STRATEGIES)}")
     if profile is None:
         from .probe import H200 as profile
-    n, sizes = len(model.block_bytes), model.block_bytes
-    total = model.fixed_bytes + sum(sizes)
+    n = len(model.block_bytes)
     best: Placement | None = None
     max_part = max((len(t) for t in model.tensor_bytes), default=0)
     for streamed, uva, n_slots, part in _candidates(n, strategy, max_slots, max_part):
-        off = set(streamed) | set(uva)
-        resident = model.fixed_bytes + sum(b for i, b in enumerate(sizes) if i not in off)
-        resident += sum(sizes[i] - model.streamed_bytes(i, part) for i in streamed)
-        slot = max((model.staging(i, part) for i in streamed), default=0)
-        if resident + n_slots * slot > budget:
-            continue
-        prediction = predict(model, streamed, n_slots, uva, tokens, profile, part)
-        if best is None or prediction.ms < best.prediction.ms:
-            uva_bytes = sum(sizes[i] for i in uva)
-            best = Placement(streamed, n_slots, slot, resident, total - resident, uva, uva_bytes, prediction,
-                             part)
+        candidate = placement_of(model, streamed, n_slots, uva, part, tokens, profile, budget)
+        if candidate is not None and (best is None or candidate.prediction.ms < best.prediction.ms):
+            best = candidate
     if best is not None:
         return best
     largest = max((model.staging(i) for i in range(n)), default=0)

@@ -1,13 +1,25 @@
 """The streaming schedule as a state machine over slots and groups. Pure logic, no CUDA.
 
-Groups are numbered in forward order; group g lives in slot g % n_slots. Each forward is
-self-contained: waiting for group 0 starts the copies of the first n_slots groups (the prologue), and
-releasing group g starts the copy of group g + n_slots into the slot g just freed. Nothing is copied
-across the end of a forward, so a captured CUDA graph never depends on what ran before it.
+Groups are numbered in module order; group g lives in slot g % n_slots (fixed: streamed tensors are
+permanent views of their slot). The schedule keeps two things:
 
-The schedule tracks which group each slot holds (or is being filled with). A wait for a group its
-slot does not hold (a block called out of order, twice, or after a skipped one) is a miss: the engine
-fetches the group synchronously, so stale weights are never used.
+- `content[s]`: the group whose bytes slot s holds or is being filled with, or None when unknown. A
+  wait trusts a slot only when `content` says it holds the group. Whatever changes slots without the
+  host seeing it (a CUDA graph replay; the start or end of a capture, which records copies without
+  running them) must call `invalidate()`, after which every slot is unknown.
+- `succ[g]`: the group that ran after g last time (learned at each wait that follows a release), so
+  later runs prefetch in run order, not module order. Initially: module order, nothing after the last.
+
+A wait whose group its slot holds is a hit. Otherwise the wait enters a pass at that group: its copy
+and the copies of the groups that follow it along `succ` (one per other slot) start at once. That is a
+prologue when nothing was predicted (the first run, or after `invalidate`), and a miss when the last
+release predicted another group (the run order changed; the new order is learned). Releasing g starts
+the copy of the next group along `succ` that uses g's slot.
+
+A pass ends where the run order goes back (the last block of a forward, before the next forward's
+first) or stops. Nothing is copied past the end of a pass and every copy is joined there, so a
+captured pass never depends on what runs before or after it, and each pass (each forward; each
+decoder step of an encoder-decoder model) starts with its own prologue.
 """
 
 from __future__ import annotations
@@ -21,50 +33,102 @@ class WaitPlan:
 
     group: int
     slot: int
-    prologue: list[int] = field(default_factory=list)  # groups to start copying, each into its own slot
-    hit: bool = True  # False: the slot holds another group; fetch synchronously
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (slot, group) to start, in this order
+    hit: bool = True  # the slot holds (or is being filled with) the group already
+    miss: bool = False  # not a hit although the last release predicted another group
+
+
+@dataclass
+class ReleasePlan:
+    """What the engine must do after a group computed."""
+
+    copy: tuple[int, int] | None = None  # (slot, group) to start copying, or None
+    join: bool = False  # the group ends a pass: join every copy (a capture must end joined)
 
 
 class Schedule:
-    """Slot-content bookkeeping for `n_groups` streamed groups staged through `n_slots` slots."""
+    """Slot-content and run-order bookkeeping for `n_groups` streamed groups through `n_slots` slots."""
 
     def __init__(self, n_groups: int, n_slots: int) -> None:
         if n_groups and not 1 <= n_slots <= n_groups:
             raise ValueError(f"need 1 <= n_slots <= n_groups, got n_slots={n_slots}, n_groups={n_groups}")
         self.n_groups = n_groups
         self.n_slots = n_slots
+        self.succ: list[int | None] = [g + 1 if g + 1 < n_groups else None for g in range(n_groups)]
         self.content: list[int | None] = [None] * n_slots
-        self.copies = 0  # asynchronous copies started (prologue and prefetch)
-        self.fetches = 0  # synchronous fetches after a miss
+        self.last_release: int | None = None  # the group the last op released, if the last op was one
+        self.copies = 0  # asynchronous copies started
+        self.prologues = 0  # waits that entered a pass where nothing was predicted
+        self.misses = 0  # waits that found their group unstaged although a group was predicted
+        self.misses_last_pass = 0  # misses since the last pass began
 
     def slot(self, group: int) -> int:
         """Return the slot that stages `group`."""
         return group % self.n_slots
 
+    def invalidate(self) -> None:
+        """Forget what the slots hold: a replay or a capture changed them (or pretended to)."""
+        self.content = [None] * self.n_slots
+        self.last_release = None
+
+    def _next(self, group: int) -> int | None:
+        """The group after `group` in the learned run order; None where a pass ends."""
+        nxt = self.succ[group]
+        return None if nxt is None or nxt <= group else nxt
+
+    def _fill(self, group: int) -> list[tuple[int, int]]:
+        """Copies that enter a pass at `group`: it, then the groups after it, each into its slot
+        while that slot has not been given one yet."""
+        copies: list[tuple[int, int]] = []
+        g: int | None = group
+        for _ in range(self.n_groups):
+            if g is None or len(copies) == self.n_slots:
+                break
+            s = self.slot(g)
+            if all(s != c for c, _ in copies):
+                copies.append((s, g))
+                self.content[s] = g
+            g = self._next(g)
+        self.copies += len(copies)
+        return copies
+
     def on_wait(self, group: int) -> WaitPlan:
         """Bookkeeping for "group is about to compute"; returns what the engine must do."""
         if not 0 <= group < self.n_groups:
             raise IndexError(f"group {group} out of range 0..{self.n_groups - 1}")
+        last, self.last_release = self.last_release, None
+        predicted = None if last is None else self._next(last)
+        if last is not None:
+            self.succ[last] = group
         plan = WaitPlan(group, self.slot(group))
-        if group == 0:
-            plan.prologue = list(range(self.n_slots))
-            self.content = list(plan.prologue)
-            self.copies += len(plan.prologue)
-        plan.hit = self.content[plan.slot] == group
-        if not plan.hit:
-            self.content[plan.slot] = group
-            self.fetches += 1
+        if self.content[plan.slot] == group:
+            return plan
+        plan.hit = False
+        plan.copies = self._fill(group)
+        if predicted is None:
+            self.prologues += 1
+            self.misses_last_pass = 0
+        else:
+            plan.miss = True
+            self.misses += 1
+            self.misses_last_pass += 1
         return plan
 
-    def on_release(self, group: int) -> int | None:
-        """Bookkeeping for "group finished computing"; returns the group to copy into its slot now."""
-        nxt = group + self.n_slots
-        if nxt >= self.n_groups:
-            return None
-        self.content[self.slot(group)] = nxt
+    def on_release(self, group: int) -> ReleasePlan:
+        """Bookkeeping for "group finished computing"; returns what to copy and whether to join."""
+        if not 0 <= group < self.n_groups:
+            raise IndexError(f"group {group} out of range 0..{self.n_groups - 1}")
+        self.last_release = group
+        slot = self.slot(group)
+        nxt = self._next(group)
+        plan = ReleasePlan(join=nxt is None)
+        for _ in range(self.n_groups):
+            if nxt is None or self.slot(nxt) == slot:
+                break
+            nxt = self._next(nxt)
+        if nxt is None or self.content[slot] == nxt:
+            return plan
+        self.content[slot] = nxt
         self.copies += 1
-        return nxt
-
-    def is_last(self, group: int) -> bool:
-        """True for the last group of a forward, after which every copy must have been joined."""
-        return group == self.n_groups - 1
+        plan.copy = (slot, nxt)
+        return plan

@@ -40,12 +40,15 @@ class SyncTransfer:
     def wait(self, slot: int) -> None:
         """Make compute wait for the last copy into `slot` (here: nothing to wait for)."""
 
-    def fetch_now(self, slot: int, group: int) -> None:
-        """Fill `slot` with `group` in compute order (a miss)."""
-        self._copy(slot, group)
-
     def join(self) -> None:
         """Make compute wait for every copy started so far (here: nothing to wait for)."""
+
+    def join_eager(self) -> None:
+        """Before a graph capture or replay: wait for eager copies in flight (here: none)."""
+
+    def capturing(self) -> bool:
+        """True while a CUDA graph is being captured on the current stream (here: never)."""
+        return False
 
     def synchronize(self) -> None:
         """Block the host until every copy has finished (here: nothing to wait for)."""
@@ -85,6 +88,10 @@ class CudaTransfer(SyncTransfer):
         # waited on outside that capture (nor an eager one inside it); neither wait is needed: a capture
         # starts after a device synchronize, and a captured forward joins its copies before it ends.
         self.ready_in_capture = [False for _ in slots]
+
+    def capturing(self) -> bool:
+        """True while a CUDA graph is being captured on the current stream."""
+        return torch.cuda.is_current_stream_capturing()
 
     def check_capture(self) -> None:
         """Raise when a CUDA graph is being captured and this transfer cannot be captured: groups on
@@ -132,14 +139,15 @@ class CudaTransfer(SyncTransfer):
         if self.ready_in_capture[slot] == torch.cuda.is_current_stream_capturing():
             torch.cuda.current_stream(self.device).wait_event(self.ready[slot])
 
-    def fetch_now(self, slot: int, group: int) -> None:
-        """Copy `group` into `slot` on the compute stream, after any copy still in flight into it."""
-        self.wait(slot)
-        self._copy_async(slot, group)
-
     def join(self) -> None:
         """Make the compute stream wait for every copy started so far (keeps CUDA graph capture joined)."""
         torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+    def join_eager(self) -> None:
+        """Before a graph capture or replay: make the current stream wait for the eager copies still in
+        flight, so the graph's own copies into the same slots never race them."""
+        if not torch.cuda.is_current_stream_capturing():
+            self.join()
 
     def synchronize(self) -> None:
         """Block the host until every copy has finished."""

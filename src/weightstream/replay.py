@@ -1,0 +1,60 @@
+"""Tell every streaming engine when a CUDA graph is captured or replayed.
+
+Why: the schedule runs on the host and tracks what each staging slot holds. A graph replay runs no
+Python, yet it rewrites the slots (its captured copies run again), and a capture records copies
+without running them. Without being told, the next eager call would trust a slot a replay overwrote
+(the stale-weights bug this module fixes). So `torch.cuda.CUDAGraph.capture_begin`, `capture_end` and
+`replay` are wrapped once, process-wide: before each, every live engine makes the current stream wait
+for its copies still in flight (so a replay never races an eager prefetch into the same slot) and
+forgets what its slots hold (so its next wait starts a fresh pass). This covers `torch.cuda.graph`,
+`torch.cuda.make_graphed_callables` and torch.compile's cudagraph trees (`mode="reduce-overhead"`),
+which all go through `torch.cuda.CUDAGraph`. The cost is a few microseconds per replay.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable
+
+import torch
+
+_installed = False
+_engines: Callable[[], Iterable] = lambda: ()  # noqa: E731  set by install()
+
+
+def notify() -> None:
+    """Make every live engine join its copies in flight and forget its slots' contents. Called before
+    a graph capture begins, after it ends and before each replay (tests call it to simulate one)."""
+    for engine in list(_engines()):
+        engine.on_graph_event()
+
+
+def _wrap(method: Callable, after: bool = False) -> Callable:
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        if not after:
+            notify()
+        result = method(self, *args, **kwargs)
+        if after:
+            notify()
+        return result
+
+    wrapper._weightstream_wrapped = True
+    return wrapper
+
+
+def install(engines: Callable[[], Iterable]) -> None:
+    """Wrap `torch.cuda.CUDAGraph` once; `engines()` yields the live engines (each has
+    `on_graph_event()`). A build without CUDA graphs gets only the registry (tests call `notify`)."""
+    global _installed, _engines
+    _engines = engines
+    if _installed:
+        return
+    _installed = True
+    graph = getattr(torch.cuda, "CUDAGraph", None)
+    if graph is None or not torch.cuda.is_available():
+        return
+    for name, after in (("capture_begin", False), ("capture_end", True), ("replay", False)):
+        method = getattr(graph, name)
+        if not getattr(method, "_weightstream_wrapped", False):
+            setattr(graph, name, _wrap(method, after))
