@@ -224,10 +224,13 @@ def test_a_new_run_order_is_learned_within_two_forwards():
     with torch.no_grad(), pytest.warns(UserWarning, match="out of the learned order"):
         for seed in range(4):
             inp = torch.randn(3, DIM, generator=torch.Generator().manual_seed(seed))
+            prologues = handle.stats.prologues
             assert torch.equal(model(inp), ref(inp))
             if seed == 1:  # each transition seen once: the first forward's and the wrap into the next
                 learned = handle.stats.misses
     assert learned >= 1 and handle.stats.misses == learned and handle.stats.misses_last_pass == 0
+    # the jump back from 4 to 1 stays inside the pass: one prologue per forward, every copy prefetched
+    assert handle.stats.prologues == prologues + 1
 
 
 def test_a_block_that_raises_leaves_the_model_usable_from_any_thread():

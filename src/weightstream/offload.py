@@ -229,7 +229,7 @@ class OffloadHandle:
         if capturing != self._capturing:  # a capture began or ended: its copies ran not / not yet
             self._capturing = capturing
             self._schedule.invalidate()
-        plan = self._schedule.on_wait(group)
+        plan = self._schedule.on_wait(group, capturing)
         for slot, g in plan.copies:
             self._transfer.start_copy(slot, g)
         self._transfer.wait(plan.slot)
@@ -244,7 +244,7 @@ class OffloadHandle:
 
     def release(self, group: int) -> None:
         """After group `group` computed: start the copy of the next group that uses its slot."""
-        plan = self._schedule.on_release(group)
+        plan = self._schedule.on_release(group, self._capturing)
         if plan.copy is not None:
             self._transfer.start_copy(*plan.copy)
         if plan.join:
@@ -373,43 +373,49 @@ def _blocked_apply(self, fn, *args, **kwargs):
 _STREAMED_CLASSES: dict[type, type] = {}
 
 
-def _streamed_forward(self, *args, **kwargs):
-    """Forward of a streamed block: wait for its group, compute, release the slot. Every tensor the
-    block is called with goes through the wait and every tensor it returns through the release, so no
-    weight read can leave the window (ops.py says why)."""
-    base = type(self).__mro__[1]
-    engine_id, group = self._ws_engine_id, self._ws_group
-    (args, kwargs), found = _through(ops.wait, (args, kwargs), engine_id, group)
-    if not found:
-        raise WeightstreamError(
-            f"{base.__name__} was called with no tensor argument: weightstream orders its copies "
-            "through the tensors a block is called with"
-        )
-    if torch.compiler.is_compiling():
-        output = base.forward(self, *args, **kwargs)
-    else:
-        try:
-            output = base.forward(self, *args, **kwargs)
-        except BaseException:
-            ops.abort(engine_id)
-            raise
-    output, found = _through(ops.release, output, engine_id, group)
-    if not found:
-        raise WeightstreamError(
-            f"{base.__name__} returned no tensor: weightstream orders its copies through the tensors "
-            "a block returns"
-        )
-    return output
+def _streamed_forward(base_forward, name: str):
+    """The forward of a streamed block: wait for its group, run `base_forward`, release the slot.
+    Every tensor the block is called with goes through the wait and every tensor it returns through
+    the release, so no weight read can leave the window (ops.py says why)."""
+
+    def forward(self, *args, **kwargs):
+        engine_id, group = self._ws_engine_id, self._ws_group
+        (args, kwargs), found = _through(ops.wait, (args, kwargs), engine_id, group)
+        if not found:
+            raise WeightstreamError(
+                f"{name} was called with no tensor argument: weightstream orders its copies through "
+                "the tensors a block is called with"
+            )
+        if torch.compiler.is_compiling():
+            output = base_forward(self, *args, **kwargs)
+        else:
+            try:
+                output = base_forward(self, *args, **kwargs)
+            except BaseException:
+                ops.abort(engine_id)
+                raise
+        output, found = _through(ops.release, output, engine_id, group)
+        if not found:
+            raise WeightstreamError(
+                f"{name} returned no tensor: weightstream orders its copies through the tensors a "
+                "block returns"
+            )
+        return output
+
+    return forward
 
 
 def _streamed_class(base: type) -> type:
     """A subclass of `base` whose forward runs the schedule ops around the original forward.
 
     A new class rather than hooks: torch.compile guards on a submodule's type but not on its hooks,
-    so a graph compiled for the resident model would otherwise be reused for the offloaded one.
+    so a graph compiled for the resident model would otherwise be reused for the offloaded one. The
+    original forward is held as a plain function: a class marked `allow_in_graph` (diffusers marks its
+    transformer blocks so) is opaque to dynamo, and calling `base.forward` through it breaks the graph.
     """
     if base not in _STREAMED_CLASSES:
-        _STREAMED_CLASSES[base] = type(f"Streamed{base.__name__}", (base,), {"forward": _streamed_forward})
+        forward = _streamed_forward(base.forward, base.__name__)
+        _STREAMED_CLASSES[base] = type(f"Streamed{base.__name__}", (base,), {"forward": forward})
     return _STREAMED_CLASSES[base]
 
 

@@ -16,10 +16,12 @@ prologue when nothing was predicted (the first run, or after `invalidate`), and 
 release predicted another group (the run order changed; the new order is learned). Releasing g starts
 the copy of the next group along `succ` that uses g's slot.
 
-A pass ends where the run order goes back (the last block of a forward, before the next forward's
-first) or stops. Nothing is copied past the end of a pass and every copy is joined there, so a
-captured pass never depends on what runs before or after it, and each pass (each forward; each
-decoder step of an encoder-decoder model) starts with its own prologue.
+A pass is what runs from a prologue on; it ends where the run order comes back to the group the pass
+began with (the next forward), or stops. Eagerly the learned order is followed everywhere else, also
+where it goes back in module order (a UNet's mid block, registered after the up blocks, runs before
+them). During a CUDA graph capture, copies also stop where the order goes back in module order, and
+every copy is joined where a pass ends, so a captured pass never depends on what runs before or after
+it; each capture starts its own pass (the engine calls `invalidate` when one begins).
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ class Schedule:
         self.succ: list[int | None] = [g + 1 if g + 1 < n_groups else None for g in range(n_groups)]
         self.content: list[int | None] = [None] * n_slots
         self.last_release: int | None = None  # the group the last op released, if the last op was one
+        self.pass_start: int | None = None  # the group the current pass began with
         self.copies = 0  # asynchronous copies started
         self.prologues = 0  # waits that entered a pass where nothing was predicted
         self.misses = 0  # waits that found their group unstaged although a group was predicted
@@ -70,13 +73,16 @@ class Schedule:
         """Forget what the slots hold: a replay or a capture changed them (or pretended to)."""
         self.content = [None] * self.n_slots
         self.last_release = None
+        self.pass_start = None
 
-    def _next(self, group: int) -> int | None:
+    def _next(self, group: int, capturing: bool) -> int | None:
         """The group after `group` in the learned run order; None where a pass ends."""
         nxt = self.succ[group]
-        return None if nxt is None or nxt <= group else nxt
+        if nxt is None or nxt == self.pass_start or (capturing and nxt <= group):
+            return None
+        return nxt
 
-    def _fill(self, group: int) -> list[tuple[int, int]]:
+    def _fill(self, group: int, capturing: bool) -> list[tuple[int, int]]:
         """Copies that enter a pass at `group`: it, then the groups after it, each into its slot
         while that slot has not been given one yet."""
         copies: list[tuple[int, int]] = []
@@ -88,23 +94,27 @@ class Schedule:
             if all(s != c for c, _ in copies):
                 copies.append((s, g))
                 self.content[s] = g
-            g = self._next(g)
+            g = self._next(g, capturing)
         self.copies += len(copies)
         return copies
 
-    def on_wait(self, group: int) -> WaitPlan:
+    def on_wait(self, group: int, capturing: bool = False) -> WaitPlan:
         """Bookkeeping for "group is about to compute"; returns what the engine must do."""
         if not 0 <= group < self.n_groups:
             raise IndexError(f"group {group} out of range 0..{self.n_groups - 1}")
         last, self.last_release = self.last_release, None
-        predicted = None if last is None else self._next(last)
+        predicted = None if last is None else self._next(last, capturing)
         if last is not None:
             self.succ[last] = group
+        if group == self.pass_start:
+            self.misses_last_pass = 0  # the pass begins again: the next forward
         plan = WaitPlan(group, self.slot(group))
         if self.content[plan.slot] == group:
             return plan
         plan.hit = False
-        plan.copies = self._fill(group)
+        if predicted is None:
+            self.pass_start = group
+        plan.copies = self._fill(group, capturing)
         if predicted is None:
             self.prologues += 1
             self.misses_last_pass = 0
@@ -114,18 +124,18 @@ class Schedule:
             self.misses_last_pass += 1
         return plan
 
-    def on_release(self, group: int) -> ReleasePlan:
+    def on_release(self, group: int, capturing: bool = False) -> ReleasePlan:
         """Bookkeeping for "group finished computing"; returns what to copy and whether to join."""
         if not 0 <= group < self.n_groups:
             raise IndexError(f"group {group} out of range 0..{self.n_groups - 1}")
         self.last_release = group
         slot = self.slot(group)
-        nxt = self._next(group)
+        nxt = self._next(group, capturing)
         plan = ReleasePlan(join=nxt is None)
         for _ in range(self.n_groups):
             if nxt is None or self.slot(nxt) == slot:
                 break
-            nxt = self._next(nxt)
+            nxt = self._next(nxt, capturing)
         if nxt is None or self.content[slot] == nxt:
             return plan
         self.content[slot] = nxt

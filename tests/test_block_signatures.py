@@ -1,0 +1,124 @@
+"""Blocks of any signature: tensors in positional and keyword arguments, nested in tuples, lists and
+dicts beside non-tensor values, weights read on every path, several tensors returned. Every tensor a
+block reads goes through the wait and every tensor it returns through the release, so offloaded
+outputs equal the resident ones, eagerly for any signature (hypothesis) and compiled for two."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import weightstream as ws
+from weightstream.offload import prepare
+from weightstream.plan import placement_of
+
+DIM = 6
+TENSOR = "T"  # a placeholder for a tensor leaf in a drawn structure
+
+
+def leaves():
+    return st.sampled_from([TENSOR, TENSOR, TENSOR, None, 3])
+
+
+trees = st.recursive(
+    leaves(),
+    lambda inner: st.one_of(
+        st.lists(inner, min_size=1, max_size=3),
+        st.lists(inner, min_size=1, max_size=3).map(tuple),
+        st.dictionaries(st.sampled_from(["a", "b", "c"]), inner, min_size=1, max_size=3),
+    ),
+    max_leaves=6,
+)
+
+
+def signatures():
+    """(positional args, keyword args) with at least one tensor somewhere."""
+    sig = st.tuples(st.lists(trees, max_size=3).map(tuple),
+                    st.dictionaries(st.sampled_from(["x", "ctx", "temb"]), trees, max_size=3))
+    return sig.filter(lambda s: TENSOR in pytree.tree_leaves(s))
+
+
+class AnyBlock(nn.Module):
+    """Reads a weight on the path of every tensor it is called with, mixes all of them, and returns
+    the same structure with every tensor updated (each through a weight of its own)."""
+
+    def __init__(self, n_tensors: int) -> None:
+        super().__init__()
+        self.inp = nn.ModuleList(nn.Linear(DIM, DIM) for _ in range(n_tensors))
+        self.out = nn.ModuleList(nn.Linear(DIM, DIM, bias=False) for _ in range(n_tensors))
+
+    def forward(self, *args, **kwargs):
+        flat, spec = pytree.tree_flatten((args, kwargs))
+        where = [i for i, leaf in enumerate(flat) if isinstance(leaf, torch.Tensor)]
+        mixed = sum(torch.tanh(self.inp[j](flat[i])) for j, i in enumerate(where))
+        for j, i in enumerate(where):
+            flat[i] = flat[i] + self.out[j](mixed)
+        return pytree.tree_unflatten(flat, spec)
+
+
+class Chain(nn.Module):
+    def __init__(self, n_tensors: int, n_blocks: int = 4) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(AnyBlock(n_tensors) for _ in range(n_blocks))
+
+    def forward(self, args, kwargs):
+        for layer in self.layers:
+            args, kwargs = layer(*args, **kwargs)
+        return args, kwargs
+
+
+def materialize(signature, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    return pytree.tree_map(lambda leaf: torch.randn(2, DIM, generator=gen) if leaf == TENSOR else leaf,
+                           signature)
+
+
+def offloaded_twin(signature, n_slots: int):
+    n = pytree.tree_leaves(signature).count(TENSOR)
+    torch.manual_seed(0)
+    ref = Chain(n).eval().requires_grad_(False)
+    model = copy.deepcopy(ref)
+    cost = prepare(model, gpu_memory=2**40, device="cpu").cost
+    placement = placement_of(cost, tuple(range(4)), n_slots)
+    handle = ws.offload(model, gpu_memory=placement.gpu_bytes, device="cpu", placement=placement)
+    return ref, model, handle
+
+
+def equal(a, b) -> bool:
+    la, lb = pytree.tree_leaves(a), pytree.tree_leaves(b)
+    return len(la) == len(lb) and all(
+        torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(la, lb, strict=True))
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(signature=signatures(), n_slots=st.integers(1, 2))
+def test_any_block_signature_is_exact(signature, n_slots):
+    ref, model, handle = offloaded_twin(signature, n_slots)
+    with torch.no_grad():
+        for seed in range(2):
+            args, kwargs = materialize(signature, seed)
+            assert equal(model(args, kwargs), ref(args, kwargs))
+    assert handle.stats.misses == 0
+
+
+@pytest.mark.parametrize("signature", [
+    ((TENSOR, [TENSOR, None]), {"temb": TENSOR}),
+    (({"a": TENSOR, "b": (TENSOR, 3)},), {"ctx": [TENSOR]}),
+])
+def test_compiled_block_signatures_are_exact_without_graph_breaks(signature):
+    ref, model, handle = offloaded_twin(signature, 2)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    cref, cmodel = torch.compile(ref, fullgraph=True), torch.compile(model, fullgraph=True)
+    with torch.no_grad():
+        for seed in range(2):
+            args, kwargs = materialize(signature, seed)
+            assert equal(cmodel(args, kwargs), cref(args, kwargs))
+    assert not torch._dynamo.utils.counters["graph_break"]
+    assert handle.stats.misses == 0
