@@ -45,3 +45,12 @@ def test_an_unknown_method_or_mode_is_refused_with_the_choices(tmp_path, capsys)
     assert "choose from resident" in capsys.readouterr().err
     assert cli.main([*base, "--modes", "fast"]) == 1
     assert "graph-eager" in capsys.readouterr().err
+
+
+def test_validate_mode_checks_stored_files(bench_stored, tmp_path, capsys):
+    assert weightstream_main(["bench", "--validate", bench_stored]) == 0
+    assert capsys.readouterr().out.startswith(f"valid {bench_stored}: ")
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"results": []}))
+    assert cli.main(["--validate", bench_stored, str(bad)]) == 1
+    assert "INVALID" in capsys.readouterr().out

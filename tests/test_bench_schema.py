@@ -44,7 +44,7 @@ def test_write_json_round_trips_and_load_results_names_a_bad_file(bench_doc, tmp
 def test_every_recorded_result_file_validates_and_the_validator_command_says_so(capsys):
     paths = sorted(glob.glob(os.path.join(RESULTS, "*.json")))
     assert len(paths) > 20, "no recorded results"
-    assert schema.main(paths) == 0
+    assert schema.validate_files(paths) == 0
     out = capsys.readouterr().out.splitlines()
     assert len(out) == len(paths) and all(line.startswith("valid ") for line in out)
 
@@ -53,6 +53,6 @@ def test_the_validator_command_fails_on_a_bad_file(bench_doc, tmp_path, capsys):
     bench_doc.pop("gpu")
     path = str(tmp_path / "bad.json")
     schema.write_json(bench_doc, path)
-    assert schema.main([path]) == 1
+    assert schema.validate_files([path]) == 1
     out = capsys.readouterr().out
     assert out.startswith("INVALID") and "bad.json: gpu: missing" in out

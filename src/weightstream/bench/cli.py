@@ -8,7 +8,8 @@ Phases: one forward on fixed random inputs (`phases.py`). Modes: `eager`; `compi
 replayed; `graph-eager` = a CUDA graph captured from the eager forward (no compile; not in the
 default). A method that does not support `compiled` is still tried there (the failure under fullgraph
 is the finding, recorded as `error`); an unsupported graph mode is skipped. `--report` turns stored
-JSON into a markdown table and plots without running anything.
+JSON into a markdown table and plots without running anything; `--validate` checks stored JSON
+against the schema (`schema.py`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from .phases import DEFAULT_PHASES
 from .plots import write_plots
 from .report import markdown_table, write_benchmarks_md
 from .runner import run_suite
-from .schema import DEFAULT_MODES, load_results
+from .schema import DEFAULT_MODES, load_results, validate_files
 from .shapes import SHAPES
 
 
@@ -56,6 +57,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="result JSON (default benchmarks/results/suite_<shape>.json)")
     p.add_argument("--report", nargs="+", metavar="RESULTS",
                    help="run nothing: write the table and plots from stored result JSON files")
+    p.add_argument("--validate", nargs="+", metavar="RESULTS",
+                   help="run nothing: check result JSON files against the schema (exit 1 if one is invalid)")
     p.add_argument("--md", default="docs/benchmarks.md", help="markdown page written by --report")
     p.add_argument("--png-dir", default="docs", help="folder for the plots written by --report")
     return p.parse_args(argv)
@@ -72,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     try:
+        if args.validate:
+            return validate_files(args.validate)
         if args.report:
             report(args.report, args.md, args.png_dir)
             print(f"wrote {args.md} and plots in {args.png_dir}")

@@ -136,11 +136,10 @@ def load_results(paths: list[str]) -> list[dict]:
     return docs
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`python -m weightstream.bench.schema FILE...`: validate result files; print one line each."""
-    import sys
-
-    paths = sys.argv[1:] if argv is None else argv
+def validate_files(paths: list[str]) -> int:
+    """`weightstream bench --validate FILE...`: read and validate each file (older schemas converted);
+    print one line per file ("valid PATH: N rows, M measured" or "INVALID PATH: field: why"); return
+    the exit status (1 when any file is invalid)."""
     status = 0
     for path in paths:
         try:
@@ -152,7 +151,3 @@ def main(argv: list[str] | None = None) -> int:
         measured = sum(r["median_ms"] is not None for r in doc["results"])
         print(f"valid {path}: {len(doc['results'])} rows, {measured} measured")
     return status
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
