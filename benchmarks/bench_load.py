@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 import weightstream as ws
-from weightstream.bench.measure import compare_outputs, h2d_bandwidth, link_bound_ms, measure
+from weightstream.bench.measure import compare_outputs, fill_row, h2d_bandwidth, measure
 from weightstream.bench.progress import log
 from weightstream.bench.runner import header
 from weightstream.bench.schema import ResultRow, write_json
@@ -55,12 +55,8 @@ def tier_row(method: str, model, ids, reference, budget: int, reps: int, device,
     row = ResultRow(method, "decode-b1", budget, "eager", tokens=1, link_bytes=stats.streamed_bytes,
                     reference="resident eager", setup={**setup, "stats": asdict(stats)})
     entry, out = measure(lambda: model(ids, use_cache=False).logits, reps, device)
-    for key, value in entry.items():
-        setattr(row, key, value)
+    fill_row(row, entry, bandwidth)
     row.exact, row.max_abs_diff = compare_outputs(out, reference)
-    row.tokens_per_s = 1 / (row.median_ms / 1e3)
-    row.link_bound_ms = link_bound_ms(row.link_bytes, bandwidth)
-    row.ratio = row.median_ms / row.link_bound_ms if row.link_bound_ms else None
     log(f"{method}: {row.median_ms:.1f} ms (link bound {row.link_bound_ms}), exact {row.exact}; {stats}")
     return row
 

@@ -15,6 +15,7 @@ import re
 from dataclasses import asdict
 
 from ..sizes import parse_size
+from .measure import fill_row
 from .schema import ResultRow
 
 _CORE_METHODS = {"resident": "resident", "stream": "ws-stream", "uva": "uva-vllm-style",
@@ -55,15 +56,9 @@ def _header(doc: dict, source: str, shape: dict, weight_bytes: int, rows: list[d
 
 
 def _timed(row: ResultRow, entry: dict, bandwidth: float | None) -> None:
-    """Fill a row's numbers from an old timed entry (median_ms and the rest)."""
-    for key in ("median_ms", "min_ms", "max_ms", "reps", "first_call_s", "peak_allocated_bytes",
-                "max_abs_diff"):
-        if key in entry:
-            setattr(row, key, entry[key])
-    row.tokens_per_s = row.tokens / (row.median_ms / 1e3)
-    if bandwidth and row.link_bytes:
-        row.link_bound_ms = row.link_bytes / (bandwidth * 1e9) * 1e3
-        row.ratio = row.median_ms / row.link_bound_ms
+    """Fill a row's numbers from an old timed entry (median_ms and the fields the schema knows)."""
+    keys = ("median_ms", "min_ms", "max_ms", "reps", "first_call_s", "peak_allocated_bytes", "max_abs_diff")
+    fill_row(row, {k: entry[k] for k in keys if k in entry}, bandwidth)
 
 
 def from_core(doc: dict) -> dict:

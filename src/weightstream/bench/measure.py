@@ -59,6 +59,17 @@ def link_bound_ms(link_bytes: int | None, bandwidth_GBps: float | None) -> float
     return link_bytes / (bandwidth_GBps * 1e9) * 1e3
 
 
+def fill_row(row, entry: dict, bandwidth_GBps: float | None) -> None:
+    """Set a result row's timing fields from `entry` (as `measure` returns it), its tokens/s (row.tokens
+    per median), its link bound from row.link_bytes and the bandwidth, and ratio = median / bound."""
+    for key, value in entry.items():
+        setattr(row, key, value)
+    row.tokens_per_s = row.tokens / (row.median_ms / 1e3)
+    row.link_bound_ms = link_bound_ms(row.link_bytes, bandwidth_GBps)
+    if row.link_bound_ms:
+        row.ratio = row.median_ms / row.link_bound_ms
+
+
 def h2d_bandwidth(device: torch.device, nbytes: int = 2**30) -> float:
     """Host->GPU copy speed from pinned memory in GB/s (1e9 bytes): the probe's median of 10 copies of
     `nbytes` after 3 warm-ups, timed with CUDA events."""

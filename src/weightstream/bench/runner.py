@@ -32,7 +32,7 @@ from ..sizes import format_size, parse_size
 from ..timing import capture_graph
 from . import methods as registry
 from .limits import check_limits, limit_or_none
-from .measure import compare_outputs, h2d_bandwidth, link_bound_ms, measure
+from .measure import compare_outputs, fill_row, h2d_bandwidth, measure
 from .memory import check_home, home_device, module_bytes, release_memory
 from .methods import Method, Undo
 from .phases import Phase, parse_phase
@@ -121,13 +121,8 @@ def run_mode(suite: Suite, method: Method, phase: Phase, row: ResultRow, compile
     """Time one mode into `row`, check it against the reference, add the link bound."""
     call = make_call(suite, row.mode, suite.inputs[phase.name], compiled)
     entry, out = measure(call, suite.reps, suite.device)
-    for key, value in entry.items():
-        setattr(row, key, value)
-    row.tokens_per_s = phase.tokens / (row.median_ms / 1e3)
+    fill_row(row, entry, suite.bandwidth)
     compare(suite, method, row, out)
-    row.link_bound_ms = link_bound_ms(row.link_bytes, suite.bandwidth)
-    if row.link_bound_ms:
-        row.ratio = row.median_ms / row.link_bound_ms
     if suite.timeline and row.mode == "eager" and method.name.startswith("ws-"):
         store_timeline(suite.doc, row, suite.model, call)
 
