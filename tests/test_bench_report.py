@@ -9,7 +9,7 @@ import os
 import re
 
 from weightstream.bench import report
-from weightstream.bench.schema import load_results, validate
+from weightstream.bench.schema import load_results, validate, write_json
 
 
 def test_markdown_table_has_one_row_per_result(bench_doc):
@@ -118,3 +118,12 @@ def test_describe_says_the_outcome_of_a_row():
     assert report.describe(row) == ("ws-auto decode-b1 budget 1.00 GiB eager: 2.00 ms [1.00..3.00] x5, "
                                     "500.0 tok/s, ratio 1.04, exact True (resident eager)")
     assert report.describe(ResultRow("x", "decode-b1", None, "graph", skipped="no")).endswith(": skipped: no")
+
+
+def test_the_graph_eager_mode_is_explained_only_where_it_appears(bench_doc, tmp_path):
+    path = str(tmp_path / "doc.json")
+    write_json(bench_doc, path)
+    assert report.GRAPH_EAGER_NOTE not in report.write_benchmarks_md([path], str(tmp_path / "a.md"))
+    bench_doc["results"][0]["mode"] = "graph-eager"
+    write_json(bench_doc, path)
+    assert report.GRAPH_EAGER_NOTE in report.write_benchmarks_md([path], str(tmp_path / "b.md"))

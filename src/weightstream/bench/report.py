@@ -88,6 +88,10 @@ by hand. Every number is one forward, `model(ids, use_cache=False)`, of a model 
 """
 
 
+GRAPH_EAGER_NOTE = ("- **graph-eager**: a CUDA graph captured from the eager forward, replayed (no "
+                    "compile: the planner sweep).")
+
+
 def run_section(doc: dict, path: str) -> str:
     """The page's section about one stored run: file, date, versions, command, link, what was not run."""
     skipped = "; ".join(f"`{k}`: {v}" for k, v in doc.get("skipped_methods", {}).items()) or "none"
@@ -166,7 +170,10 @@ def write_benchmarks_md(result_paths: list[str], md_path: str, images: list[str]
     Returns the text."""
     docs = load_results(result_paths)
     here = os.path.dirname(os.path.abspath(md_path))
-    parts = [REPORT_HEADER.strip(), "## The bars, checked on these results\n\n" + "\n".join(bar_lines(docs))]
+    header = REPORT_HEADER.strip()
+    if any(r["mode"] == "graph-eager" for d in docs for r in d["results"]):  # said only where it appears
+        header += "\n" + GRAPH_EAGER_NOTE
+    parts = [header, "## The bars, checked on these results\n\n" + "\n".join(bar_lines(docs))]
     parts += [run_section(doc, path) for doc, path in zip(docs, result_paths, strict=True)]
     parts += [f"![{os.path.basename(p)}]({os.path.relpath(os.path.abspath(p), here)})" for p in images]
     parts.append(markdown_table(docs))
