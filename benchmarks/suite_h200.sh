@@ -2,7 +2,7 @@
 # One part of the H200 benchmark suite per call, each inside the device's 10-minute command limit.
 # Usage (from the repository root, with diffusers' wheel in .whl/ and $OUT set by the device tool):
 #   bash benchmarks/suite_h200.sh PART
-# Parts: verify | llama-ws | llama-uva | llama-peers | qwen-ws | qwen-peers | mixtral-ws
+# Parts: verify | verify-short | plan | llama-ws | llama-uva | llama-peers | qwen-ws | qwen-peers | mixtral-ws
 #        | mixtral-peers | qwen-b64 | mixtral-b64 | qwen-diffusers | mixtral-diffusers | qwen-uva
 #        | mixtral-uva | llama-uva-b64 | llama-50 | mixtral-routed
 # MAX_SECONDS overrides a part's time budget (to share a call with another part).
@@ -22,11 +22,20 @@ bench() {  # bench NAME MAX_SECONDS ARGS...: one suite run, stopped cleanly afte
         | tee "$OUT/suite_$name.log" | grep "^\[" || true
 }
 case ${1:?give a part} in
-verify)  # every GPU test, then the planner sweep (placements now parameter-granular)
-    # a failing test must not stop the sweep (set -e): pytest's summary is in the log
-    python3 -m pytest -m gpu -q -p no:cacheprovider tests/ 2>&1 | tee "$OUT/gpu_tests_h200.log" | tail -3 || true
-    python3 benchmarks/bench_plan.py --reps 5 --out "$OUT/plan_llama-3-8b.json" 2>&1 \
-        | tee "$OUT/plan_llama-3-8b.log" | tail -30 ;;
+verify)  # every GPU test (the planner sweep is the part `plan`, a call of its own)
+    # a failing test must not fail the part (set -e): pytest's summary is in the log
+    python3 -m pytest -m gpu -q -p no:cacheprovider tests/ 2>&1 | tee "$OUT/gpu_tests_h200.log" | tail -3 || true ;;
+verify-short)  # the bench package against the recorded 8B figures (suite_llama-3-8b_auto/_uva): under 4 minutes
+    bench llama-3-8b_verify ${MAX_SECONDS:-160} --shape llama-3-8b --budgets 0.25 --phases decode-b1 \
+        --modes eager,graph --methods resident,ws-auto,ws-uva --reps 10 --no-timeline --method-seconds 70 \
+        --emulate-precision-casts
+    python3 -m weightstream bench --validate "$OUT/suite_llama-3-8b_verify.json" ;;
+plan)  # the planner against measurement (docs/planner.md): no compile, decode replayed from a graph of eager
+    bench llama-3-8b_plan ${MAX_SECONDS:-480} --shape llama-3-8b --budgets 1.0,0.25,0.5,0.75 \
+        --phases decode-b1,prefill-2048 --modes eager,graph-eager --methods resident,ws-stream,ws-uva,ws-auto \
+        --reps 5 --no-timeline --method-seconds 120
+    python3 benchmarks/plot_plan.py "$OUT/suite_llama-3-8b_plan.json" "$OUT/plan_llama-3-8b.png" \
+        > "$OUT/plan_llama-3-8b.md" || echo "plot_plan.py failed (matplotlib missing?): the JSON is written" ;;
 llama-ws)
     bench llama-3-8b_auto ${MAX_SECONDS:-380} --shape llama-3-8b --budgets 0.25 --methods resident,ws-auto --reps 10 \
         --emulate-precision-casts ;;

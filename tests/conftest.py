@@ -67,3 +67,28 @@ def twin():
         return ref, copy.deepcopy(ref)
 
     return build
+
+
+BENCH_WS = ["ws-stream", "ws-uva", "ws-auto"]
+BENCH_PHASES = ["decode-b1", "prefill-8"]
+
+
+@pytest.fixture(scope="session")
+def bench_stored(tmp_path_factory) -> str:
+    """Path of the JSON written by one tiny CPU `weightstream bench` run (eager only; optional methods
+    included so a missing import is recorded). Shared by the tests of the bench package's modules."""
+    from weightstream.bench import run_suite
+
+    path = str(tmp_path_factory.mktemp("bench") / "suite_tiny.json")
+    methods = ["resident", *BENCH_WS, "accelerate-cpu_offload", "diffusers-group"]
+    run_suite("tiny", [0.5, "0.8"], BENCH_PHASES, methods, ["eager"], 2, "cpu", path, command="test")
+    return path
+
+
+@pytest.fixture
+def bench_doc(bench_stored) -> dict:
+    """A fresh copy of that run's document (tests may change it)."""
+    import json
+
+    with open(bench_stored) as f:
+        return json.load(f)

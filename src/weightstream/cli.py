@@ -10,7 +10,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of `weightstream` and `python -m weightstream`; returns the exit status."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:  # the suite has its own options: hand them over whole
-        from .suite import main as bench
+        from .bench import main as bench
 
         return bench(argv[1:])
     parser = argparse.ArgumentParser(prog="weightstream", description=__doc__)

@@ -1,4 +1,5 @@
-"""Built-in model shapes for planning without weights: configs only, built on the meta device."""
+"""Built-in model shapes: configs only, built on the meta device for planning; `weightstream bench`
+builds the same shapes with random weights (`bench/shapes.py`)."""
 
 from __future__ import annotations
 
@@ -29,14 +30,22 @@ SHAPES = {
 }
 
 
+def shape_config(fields: dict, **extra):
+    """The transformers config of a shape's fields (`model_type` plus config keywords) and `extra`
+    keywords (e.g. `attn_implementation`). Shared by planning and `weightstream bench`."""
+    from transformers import AutoConfig
+
+    fields = dict(fields)
+    return AutoConfig.for_model(fields.pop("model_type"), **fields, **extra)
+
+
 def meta_model(name_or_path: str, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
     """A causal LM with every tensor on the meta device, from a built-in shape name or a local folder
     holding config.json. Costs no memory; good for planning only."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if name_or_path in SHAPES:
-        fields = dict(SHAPES[name_or_path])
-        config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+        config = shape_config(SHAPES[name_or_path])
     elif (Path(name_or_path) / "config.json").is_file():
         config = AutoConfig.for_model(**json.loads((Path(name_or_path) / "config.json").read_text()))
     else:

@@ -1,0 +1,46 @@
+"""`weightstream bench`: one harness that runs every offload method on the same model and records one
+result schema. Each file is one idea:
+
+| file | what it owns |
+| --- | --- |
+| `cli.py` | the `weightstream bench` command line (`weightstream/cli.py` hands `bench ...` to it) |
+| `runner.py` | the run: `run_suite`, prepare / time / compare / undo per method, budget, phase, mode |
+| `limits.py` | `--method-seconds` (a SIGALRM timer) and the limits' checks |
+| `measure.py` | one measurement (warm-up + `weightstream.timing`), `compare_outputs`, link bound, bandwidth |
+| `methods/` | the method registry (`methods/__init__.py`) and one file per family of methods |
+| `shapes.py` | the model shapes (`SHAPES`), `ModelKind`, build a model where it fits |
+| `causal_lm.py` | the causal-LM model kind: build with random bf16 weights, input ids, forward |
+| `phases.py` | `decode-bN`, `prefill-N` (`PHASE_KINDS`) |
+| `schema.py` | `ResultRow`, the document, `validate`, `write_json`, `load_results` |
+| `legacy.py` | readers of the result files of `bench_core`, `bench_plan`, `bench_load` (the old scripts) |
+| `memory.py`, `progress.py` | bytes and GPU memory; progress lines and error summaries |
+| `timeline.py` | profiler timelines of one forward (copy row / compute row) |
+| `report.py` | markdown table, run sections, the bars, docs/benchmarks.md, the planner's predictions |
+| `plots.py` | tokens/s against budget; timelines (matplotlib) |
+
+How to add:
+- a peer (another library's offloading): a file `methods/<family>.py` with a `METHODS` tuple of
+  `Method(name, prepare, modes, about, requires=...)`, and the module in `methods.FAMILIES`. `prepare
+  (model, budget_bytes, phase_tokens, device) -> (setup_info with link_bytes, undo)` changes the model
+  in place; the runner checks that undo put every tensor back.
+- a variant of weightstream (lossless compression): one line in `methods/weightstream.py`, e.g.
+  `Method("ws-auto-compress", ws_prepare("auto", compress=True), MODES, ...)`: `ws_prepare` passes
+  further keywords to `offload`.
+- a shape of a known kind: one `Shape(name, fields)` entry in `shapes.SHAPES` (planning shapes come
+  from `weightstream/shapes.py`, so a planning shape is benched as soon as it is added there).
+- quantized weights (fp8, int4): a model kind in its own file (e.g. `quantized_lm.py`: `CausalLM` whose
+  `build` converts the linear weights and whose `dtype_name` says so), plus `Shape` entries using it.
+- a diffusion model with a denoising step: a model kind in its own file (`diffusion.py`: `build` from a
+  diffusers config, `inputs` = latents per phase with the fixed timestep and conditioning built in,
+  `forward` = one denoiser call returning the sample), a `PhaseKind("denoise-bN", ...)` entry in
+  `phases.PHASE_KINDS`, and its `Shape` entries. The runner, report and schema do not change.
+- a multi-rank run: each rank runs `run_suite` on its shard with its own `--out` (e.g. with a rank
+  suffix) and a method whose `prepare` offloads that rank's shard; the report already merges several
+  documents of one shape. A `rank` field in the header would say which is which.
+"""
+
+from .cli import main
+from .runner import run_suite
+from .schema import ResultRow, load_results, validate
+
+__all__ = ["ResultRow", "load_results", "main", "run_suite", "validate"]

@@ -1,0 +1,102 @@
+"""`weightstream bench`: every offload method on the same random bf16 weights, in one process.
+
+    weightstream bench --shape llama-3-8b --budgets 0.25,0.5,0.75 --out benchmarks/results/suite_8b.json
+    weightstream bench --report benchmarks/results/suite_*.json --md docs/benchmarks.md --png-dir docs/
+
+Phases: one forward on fixed random inputs (`phases.py`). Modes: `eager`; `compiled` =
+`torch.compile(fullgraph=True, dynamic=False)`; `graph` = a CUDA graph captured from the compiled call,
+replayed; `graph-eager` = a CUDA graph captured from the eager forward (no compile; not in the
+default). A method that does not support `compiled` is still tried there (the failure under fullgraph
+is the finding, recorded as `error`); an unsupported graph mode is skipped. `--report` turns stored
+JSON into a markdown table and plots without running anything; `--validate` checks stored JSON
+against the schema (`schema.py`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+
+import torch
+
+from . import methods as registry
+from .phases import DEFAULT_PHASES
+from .plots import write_plots
+from .report import markdown_table, write_benchmarks_md
+from .runner import run_suite
+from .schema import DEFAULT_MODES, load_results, validate_files
+from .shapes import SHAPES
+
+
+def _csv(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The `weightstream bench` command line; see the module docstring."""
+    p = argparse.ArgumentParser(prog="weightstream bench", description=__doc__.split("\n")[0])
+    p.add_argument("--shape", choices=list(SHAPES), default="llama-3-8b")
+    p.add_argument("--budgets", type=_csv, default=["0.25", "0.5", "0.75"],
+                   help="GPU budgets: fractions of the weight bytes (0.25) or sizes (8GiB), comma separated")
+    p.add_argument("--phases", type=_csv, default=list(DEFAULT_PHASES), help="decode-bN, prefill-N")
+    p.add_argument("--methods", type=_csv, default=[m.name for m in registry.METHODS], help="default: all")
+    p.add_argument("--modes", type=_csv, default=list(DEFAULT_MODES),
+                   help="eager, compiled, graph (default), graph-eager")
+    p.add_argument("--reps", type=int, default=10, help="timed forwards per measurement")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-seconds", type=float, default=None,
+                   help="prepare no method after this many seconds; the rest is recorded as skipped")
+    p.add_argument("--method-seconds", type=float, default=None,
+                   help="stop a method that has not finished a budget and phase within this many seconds "
+                        "(recorded as its error) and go on with the next")
+    p.add_argument("--no-timeline", action="store_true", help="skip the profiler timelines (CUDA only)")
+    p.add_argument("--emulate-precision-casts", action="store_true",
+                   help="Inductor rounds to bf16 where eager does (compiled exactness, benchmarks/README.md)")
+    p.add_argument("--out", default=None, help="result JSON (default benchmarks/results/suite_<shape>.json)")
+    p.add_argument("--report", nargs="+", metavar="RESULTS",
+                   help="run nothing: write the table and plots from stored result JSON files")
+    p.add_argument("--validate", nargs="+", metavar="RESULTS",
+                   help="run nothing: check result JSON files against the schema (exit 1 if one is invalid)")
+    p.add_argument("--md", default="docs/benchmarks.md", help="markdown page written by --report")
+    p.add_argument("--png-dir", default="docs", help="folder for the plots written by --report")
+    return p.parse_args(argv)
+
+
+def report(paths: list[str], md_path: str, png_dir: str) -> str:
+    """Regenerate the page and its plots from stored results (plots need matplotlib)."""
+    images = write_plots(load_results(paths), png_dir)
+    return write_benchmarks_md(paths, md_path, images)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `weightstream bench`; returns the exit status."""
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    try:
+        if args.validate:
+            return validate_files(args.validate)
+        if args.report:
+            report(args.report, args.md, args.png_dir)
+            print(f"wrote {args.md} and plots in {args.png_dir}")
+            return 0
+        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if device == "cpu" and not args.shape.startswith("tiny"):
+            raise ValueError("without CUDA, run the harness on --shape tiny or tiny-moe (a correctness smoke "
+                             "test)")
+        out = args.out or f"benchmarks/results/suite_{args.shape}.json"
+        doc = run_suite(args.shape, args.budgets, args.phases, args.methods, args.modes, args.reps, device,
+                        out, seed=args.seed, timeline=not args.no_timeline,
+                        emulate_precision_casts=args.emulate_precision_casts,
+                        command="weightstream bench " + shlex.join(argv), max_seconds=args.max_seconds,
+                        method_seconds=args.method_seconds)
+    except (ValueError, OSError) as err:
+        print(f"weightstream bench: {err}", file=sys.stderr)
+        return 1
+    print("\n" + markdown_table([doc]), flush=True)
+    return 0 if not doc.get("aborted") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,356 @@
+"""The run: every method x budget x phase x mode on one model, each prepared, timed, compared and undone.
+
+One process builds the model once, measures the pinned host->GPU link, then for each method of the
+registry, GPU budget, phase and mode: prepares the model, times one forward after warm-up, checks it
+bit for bit against the reference of the same phase and mode, and undoes the method (instance
+attributes its hooks left are dropped; every tensor must be back home, or the run stops). The JSON is
+rewritten after every measurement, so a run stopped by a time limit keeps what it measured.
+
+Reference: a shape whose weights fit the GPU (weights + HEADROOM_BYTES free) is built there, and the
+`resident` method gives the reference of every phase and mode. A shape that does not fit is built on
+the CPU in bf16: host memory must hold all its weights, and `restore()` back to the CPU briefly holds
+the streamed bytes twice. Then there is no resident run: the first weightstream method to run a phase
+and mode gives its reference (labelled e.g. "ws-stream eager") and exactness is weightstream against
+weightstream.
+"""
+
+from __future__ import annotations
+
+import datetime
+import platform
+import shlex
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+
+from .. import __version__
+from ..sizes import format_size, parse_size
+from ..timing import capture_graph
+from . import methods as registry
+from .limits import check_limits, limit_or_none
+from .measure import compare_outputs, fill_row, h2d_bandwidth, measure
+from .memory import check_home, home_device, module_bytes, release_memory
+from .methods import Method, Undo
+from .phases import Phase, parse_phase
+from .progress import first_line, log
+from .report import describe, fmt
+from .schema import MODES, ResultRow, write_json
+from .shapes import Shape, build_device, build_model, get_shape, shape_weight_bytes
+from .timeline import store_timeline
+
+
+@dataclass
+class Suite:
+    """What one run works on. `refs` maps (phase, mode) to (label, output on the CPU)."""
+
+    device: torch.device
+    model: nn.Module
+    home: torch.device
+    phases: list[Phase]
+    inputs: dict[str, torch.Tensor]
+    modes: list[str]
+    reps: int
+    bandwidth: float | None
+    doc: dict
+    out_path: str
+    timeline: bool
+    shape: Shape
+    refs: dict[tuple[str, str], tuple[str, torch.Tensor]] = field(default_factory=dict)
+    stop_at: float | None = None  # time.monotonic() after which no method is prepared any more
+    method_seconds: float | None = None  # each method's limit per budget and phase
+
+    def forward_fn(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        """One forward of the model on an input, as its model kind runs it: a plain function closing
+        over the model and its kind (what torch.compile and graph capture are given)."""
+        model, kind = self.model, self.shape.model
+        return lambda x: kind.forward(model, x)
+
+
+def mode_skip(suite: Suite, method: Method, mode: str) -> str | None:
+    """Why `method` does not run in `mode` here, or None (an unsupported `compiled` is tried anyway)."""
+    graph = mode.startswith("graph")
+    if graph and suite.device.type != "cuda":
+        return "CUDA graphs need a CUDA device"
+    if graph and mode not in method.modes:
+        return f"{method.name} does not support CUDA graphs: {method.about}"
+    return None
+
+
+def method_skip(suite: Suite, method: Method) -> str | None:
+    """Why `method` cannot run at all here, or None."""
+    if method.cuda_only and suite.device.type != "cuda":
+        return f"{method.name} needs a CUDA device"
+    if method.name == "resident" and suite.home != suite.device:
+        return f"the model does not fit {suite.device} ({suite.doc['build_note']})"
+    return None
+
+
+def compare(suite: Suite, method: Method, row: ResultRow, out: torch.Tensor) -> None:
+    """Set row.exact against the reference of the same phase and mode; the first output of a method
+    that may give references becomes the reference when there is none yet."""
+    key = (row.phase, row.mode)
+    if key not in suite.refs:
+        if method.gives_reference:
+            suite.refs[key] = (f"{method.name} {row.mode}", out.detach().cpu().clone())
+            row.reference = "self"
+        else:
+            row.reference = "none (no resident or weightstream output for this phase and mode)"
+        return
+    label, ref = suite.refs[key]
+    row.reference = label
+    row.exact, row.max_abs_diff = compare_outputs(out, ref)
+
+
+def make_call(suite: Suite, mode: str, x: torch.Tensor, compiled: Callable) -> Callable[[], torch.Tensor]:
+    """The zero-argument forward to time in `mode`."""
+    if mode == "eager":
+        forward = suite.forward_fn()
+        return lambda: forward(x)
+    if mode == "compiled":
+        return lambda: compiled(x)
+    if mode == "graph-eager":
+        return capture_graph(suite.forward_fn(), x)
+    return capture_graph(compiled, x)
+
+
+def run_mode(suite: Suite, method: Method, phase: Phase, row: ResultRow, compiled: Callable) -> None:
+    """Time one mode into `row`, check it against the reference, add the link bound."""
+    call = make_call(suite, row.mode, suite.inputs[phase.name], compiled)
+    entry, out = measure(call, suite.reps, suite.device)
+    fill_row(row, entry, suite.bandwidth)
+    compare(suite, method, row, out)
+    if suite.timeline and row.mode == "eager" and method.name.startswith("ws-"):
+        store_timeline(suite.doc, row, suite.model, call)
+
+
+def add_row(suite: Suite, row: ResultRow) -> None:
+    """Append a finished row, print it, and rewrite the JSON."""
+    suite.doc["results"].append(asdict(row))
+    log(describe(row))
+    write_json(suite.doc, suite.out_path)
+
+
+def _over_time(suite: Suite) -> str:
+    return f"did not finish within the method's --method-seconds ({suite.method_seconds:g} s)"
+
+
+def method_limit(suite: Suite, until: float | None):
+    """The running method's time limit (`until` from time.monotonic()), or none when `until` is None."""
+    return limit_or_none(until, _over_time(suite) if until is not None else "")
+
+
+def run_modes(suite: Suite, method: Method, phase: Phase, budget: int | None, setup: dict,
+              until: float | None) -> None:
+    """Every selected mode of one prepared method and phase; a failure is recorded, not raised. A mode
+    not started by `until` (time.monotonic(); None: no limit) is skipped."""
+    compiled = torch.compile(suite.forward_fn(), fullgraph=True, dynamic=False)
+    for mode in suite.modes:
+        row = ResultRow(method.name, phase.name, budget, mode, tokens=phase.tokens,
+                        link_bytes=setup.get("link_bytes"), setup=setup)
+        row.skipped = mode_skip(suite, method, mode)
+        if row.skipped is None and until is not None and time.monotonic() > until:
+            row.skipped = f"not run: {_over_time(suite)}"
+        if row.skipped is None:
+            try:
+                with method_limit(suite, until):
+                    run_mode(suite, method, phase, row, compiled)
+            except Exception as exc:  # record and go on: the rest of the run still counts
+                row = ResultRow(method.name, phase.name, budget, mode, tokens=phase.tokens,
+                                error=first_line(exc), link_bytes=row.link_bytes, setup=setup)
+        add_row(suite, row)
+    del compiled
+    release_memory(suite.device)  # drop compiled code and graphs before the weights move back
+
+
+def run_prepared(suite: Suite, method: Method, phase: Phase, budget: int | None) -> bool:
+    """Prepare `method` for one budget and phase, run its modes, undo it. False when the model could
+    not be put back (the run must stop: every later number would be suspect)."""
+    snapshot = {id(m): set(m.__dict__) for m in suite.model.modules()}
+    until = None if suite.method_seconds is None else time.monotonic() + suite.method_seconds
+    try:
+        with method_limit(suite, until):
+            setup, undo = method.prepare(suite.model, budget, phase.tokens, suite.device)
+    except Exception as exc:
+        for mode in suite.modes:
+            add_row(suite, ResultRow(method.name, phase.name, budget, mode, tokens=phase.tokens,
+                                     error=f"prepare: {first_line(exc)}"))
+        return _undo(suite, method, lambda: suite.model.to(suite.home), snapshot)  # best effort
+    run_modes(suite, method, phase, budget, setup, until)
+    return _undo(suite, method, undo, snapshot)
+
+
+def _undo(suite: Suite, method: Method, undo: Undo, snapshot: dict[int, set]) -> bool:
+    """Undo a method, drop instance attributes its hooks left on the modules (a stale instance `forward`
+    would shadow weightstream's block class), and check every tensor is home."""
+    try:
+        undo()
+        for m in suite.model.modules():
+            for key in set(m.__dict__) - snapshot.get(id(m), set(m.__dict__)):
+                del m.__dict__[key]
+        release_memory(suite.device)
+        check_home(suite.model, suite.home)
+        return True
+    except Exception as exc:
+        suite.doc["aborted"] = f"{method.name}: undo failed: {first_line(exc)}"
+        log(suite.doc["aborted"])
+        write_json(suite.doc, suite.out_path)
+        return False
+
+
+def run_method(suite: Suite, method: Method, budgets: list[int]) -> bool:
+    """Every budget (once when the method takes none) and phase of one method; False to stop the run."""
+    reason = method_skip(suite, method)
+    if reason:
+        suite.doc["skipped_methods"][method.name] = reason
+        log(f"{method.name}: skipped ({reason})")
+        return True
+    log(f"== {method.name}: {method.about}")
+    for budget in budgets if method.uses_budget else [None]:
+        for phase in suite.phases:
+            if suite.stop_at is not None and time.monotonic() > suite.stop_at:
+                reason = f"not run: the run's --max-seconds were spent ({suite.doc['max_seconds']} s)"
+                for mode in suite.modes:
+                    add_row(suite, ResultRow(method.name, phase.name, budget, mode, tokens=phase.tokens,
+                                             skipped=reason))
+                continue
+            if not run_prepared(suite, method, phase, budget):
+                return False
+    return True
+
+
+def resolve_budget(budget: int | float | str, weight_bytes: int) -> int:
+    """Bytes from a budget: a float or a bare number in (0, 1] is a fraction of the weight bytes;
+    anything else is a size ("8GiB", "500MB", an int of bytes)."""
+    if isinstance(budget, str):
+        try:
+            value = float(budget)
+        except ValueError:
+            return parse_size(budget)
+        budget = value if value <= 1 else int(value)
+    if isinstance(budget, float):
+        if not 0 < budget <= 1:
+            raise ValueError(f"budget {budget}: a fraction must be in (0, 1]; else give a size like '8GiB'")
+        return int(budget * weight_bytes)
+    return parse_size(budget)
+
+
+def header(shape: str, device: torch.device, model: nn.Module, bandwidth: float | None, command: str) -> dict:
+    """The result document before any measurement."""
+    import torch._inductor.config
+    import transformers
+
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else f"none (cpu {platform.machine()})"
+    now = datetime.datetime.now(datetime.timezone.utc)
+    return {
+        "command": command, "date": now.isoformat(timespec="seconds"),
+        "gpu": gpu, "torch": torch.__version__, "transformers": transformers.__version__,
+        "weightstream": __version__, "python": platform.python_version(),
+        "versions": {m.requires: registry.version_of(m.requires) for m in registry.METHODS if m.requires},
+        "inductor_emulate_precision_casts": bool(torch._inductor.config.emulate_precision_casts),
+        "h2d_bandwidth_GBps": bandwidth,
+        "shape": get_shape(shape).record(),
+        "weight_bytes": module_bytes(model), "build_device": str(home_device(model)),
+        "skipped_methods": {}, "timelines": [], "results": [],
+    }
+
+
+def run_suite(
+    shape: str,
+    budgets: list[int | float | str],
+    phases: list[str],
+    methods: list[str],
+    modes: list[str],
+    reps: int,
+    device: str | torch.device,
+    out_path: str,
+    *,
+    seed: int = 0,
+    timeline: bool = True,
+    emulate_precision_casts: bool = False,
+    command: str | None = None,
+    max_seconds: float | None = None,
+    method_seconds: float | None = None,
+) -> dict:
+    """Run every method x budget x phase x mode on one model of `shape` and write the result document
+    to `out_path` after each measurement; return the document.
+
+    budgets: fractions of the weight bytes (0.25) or sizes ("8GiB", bytes). phases: `decode-bN`,
+    `prefill-N`. methods: names from the registry (run in registry order; unknown names raise, known
+    ones that cannot run here are listed in `skipped_methods`). modes: eager, compiled, graph,
+    graph-eager. reps: timed calls per measurement. device: "cuda" or "cpu". timeline: keep a profiler
+    timeline of each weightstream method's eager forward at the first budget (CUDA only).
+    emulate_precision_casts: set Inductor's flag of that name for every compile, so compiled code
+    rounds to bf16 where eager does (benchmarks/README.md: without it, fusion across block boundaries
+    can differ by one ulp). max_seconds: prepare no method after this many seconds from the start; the
+    measurements not made are recorded as skipped (a run ends cleanly inside a command's time limit;
+    one method and phase already started runs to its end). method_seconds: stop a method that has not
+    finished one budget and phase (preparation and every mode) within this many seconds; its
+    unfinished modes are recorded as errors or skipped, it is undone, and the run goes on with the
+    next (needs the main thread of a POSIX process: a SIGALRM timer).
+    """
+    import torch._inductor.config
+
+    previous = torch._inductor.config.emulate_precision_casts
+    torch._inductor.config.emulate_precision_casts = emulate_precision_casts
+    try:
+        return _run(shape, budgets, phases, methods, modes, reps, _resolve(device), out_path, seed, timeline,
+                    command, max_seconds, method_seconds)
+    finally:
+        torch._inductor.config.emulate_precision_casts = previous
+
+
+def _run(shape, budgets, phases, methods, modes, reps, device, out_path, seed, timeline, command,
+         max_seconds, method_seconds) -> dict:
+    """The body of `run_suite`, with the Inductor flag set."""
+    _check_names(methods, [m.name for m in registry.METHODS], "method")
+    _check_names(modes, list(MODES), "mode")
+    check_limits(max_seconds, method_seconds)
+    stop_at = None if max_seconds is None else time.monotonic() + max_seconds
+    suite = _start(shape, budgets, [parse_phase(p) for p in phases], modes, reps, device, out_path, seed,
+                   timeline, command)
+    suite.stop_at, suite.method_seconds = stop_at, method_seconds
+    suite.doc["max_seconds"], suite.doc["method_seconds"] = max_seconds, method_seconds
+    suite.doc["skipped_methods"] = {k: v for k, v in registry.unavailable().items() if k in methods}
+    write_json(suite.doc, out_path)
+    for method in registry.METHODS:
+        if method.name in methods and method.name in suite.doc["skipped_methods"]:
+            log(f"{method.name}: skipped ({suite.doc['skipped_methods'][method.name]})")
+        elif method.name in methods and not run_method(suite, method, suite.doc["budgets"]):
+            break
+    write_json(suite.doc, out_path)
+    return suite.doc
+
+
+def _start(shape, budgets, phases, modes, reps, device, out_path, seed, timeline, command) -> Suite:
+    """Measure the link, build the model where it fits, make the inputs and the document header."""
+    weights = shape_weight_bytes(shape)
+    budget_bytes = [resolve_budget(b, weights) for b in budgets]
+    bandwidth = h2d_bandwidth(device) if device.type == "cuda" else None
+    log(f"host->GPU pinned bandwidth: {fmt(bandwidth, 1)} GB/s")
+    where, note = build_device(weights, device)
+    model = build_model(shape, where, seed)
+    log(f"{shape}: {format_size(weights)} of bf16 weights on {where} ({note})")
+    doc = header(shape, device, model, bandwidth, command or shlex.join(sys.argv))
+    doc.update(budgets=budget_bytes, phases=[p.name for p in phases], build_note=note,
+               reference="resident" if where == device else "first weightstream method")
+    s = get_shape(shape)
+    inputs = s.model.inputs(model, phases, device, seed)
+    return Suite(device, model, where, phases, inputs, list(modes), reps, bandwidth, doc, out_path, timeline,
+                 s)
+
+
+def _resolve(device: str | torch.device) -> torch.device:
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _check_names(given: list[str], known: list[str], what: str) -> None:
+    bad = [x for x in given if x not in known]
+    if bad or not given:
+        raise ValueError(f"{what}s {bad or given!r}: choose from {', '.join(known)}")

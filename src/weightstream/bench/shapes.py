@@ -1,0 +1,103 @@
+"""The bench's model shapes: the built-in planning shapes (`weightstream/shapes.py`) plus test-sized
+ones, each with the model kind that builds it with random weights, makes its inputs and runs it.
+
+A new shape of an existing kind is one `Shape` entry in `SHAPES`. A new kind of model (a diffusion
+transformer, a causal LM with fp8 or int4 weights) is a class with `ModelKind`'s members in a file of
+its own, plus the `Shape` entries that use it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from ..shapes import SHAPES as PLANNING_SHAPES
+from ..sizes import format_size
+from .causal_lm import CAUSAL_LM
+from .memory import module_bytes
+from .phases import Phase
+
+HEADROOM_BYTES = 6 * 2**30  # GPU memory kept free for activations when deciding whether a shape fits
+
+
+class ModelKind(Protocol):
+    """How the bench builds, feeds and runs one kind of model (e.g. `causal_lm.CausalLM`)."""
+
+    name: str
+    dtype_name: str  # what the weights are, as recorded in the document's `shape.dtype`
+
+    def build(self, fields: dict, device: torch.device, seed: int) -> nn.Module:
+        """The model with random weights on `device`, eval mode, no grads."""
+
+    def meta(self, fields: dict) -> nn.Module:
+        """The same model on the meta device (sizes without memory)."""
+
+    def inputs(self, model: nn.Module, phases: list[Phase], device: torch.device,
+               seed: int) -> dict[str, torch.Tensor]:
+        """One fixed input tensor per phase name (one tensor: CUDA-graph capture copies it)."""
+
+    def forward(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """One forward; the output compared bit for bit against the reference."""
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A named model shape: config fields (with `model_type`) and its model kind."""
+
+    name: str
+    fields: dict
+    model: ModelKind = CAUSAL_LM
+
+    def record(self) -> dict:
+        """The document's `shape` entry: name, config fields, dtype."""
+        return {"name": self.name, **self.fields, "dtype": self.model.dtype_name}
+
+
+# A test-sized Llama, local to the bench (not a planning shape): CPU smoke runs of the whole harness.
+TINY = dict(
+    model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, vocab_size=256,
+)
+TINY_MOE = dict(  # the same, as a Mixtral: expert weights fused per block, routing by the input
+    model_type="mixtral", hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, vocab_size=256, num_local_experts=4, num_experts_per_tok=2,
+)
+SHAPES = {
+    **{name: Shape(name, fields) for name, fields in PLANNING_SHAPES.items()},
+    "tiny": Shape("tiny", TINY),
+    "tiny-moe": Shape("tiny-moe", TINY_MOE),
+}
+
+
+def get_shape(name: str) -> Shape:
+    """The shape of that name; ValueError listing the known ones."""
+    if name not in SHAPES:
+        raise ValueError(f"shape {name!r}: choose one of {', '.join(SHAPES)}")
+    return SHAPES[name]
+
+
+def build_model(shape: str, device: torch.device, seed: int = 0) -> nn.Module:
+    """A model of `shape` with random weights created on `device`, in eval mode, no grads."""
+    s = get_shape(shape)
+    return s.model.build(s.fields, device, seed)
+
+
+def shape_weight_bytes(shape: str) -> int:
+    """Bytes of the shape's parameters and buffers, from a meta-device build (no memory)."""
+    s = get_shape(shape)
+    return module_bytes(s.model.meta(s.fields))
+
+
+def build_device(weight_bytes: int, device: torch.device) -> tuple[torch.device, str]:
+    """Where to build the model: `device` when its weights fit there with HEADROOM_BYTES to spare, else
+    the CPU; and a sentence saying why."""
+    if device.type != "cuda":
+        return device, "built on the CPU device"
+    free, _ = torch.cuda.mem_get_info(device)
+    if weight_bytes + HEADROOM_BYTES <= free:
+        return device, f"fits: {format_size(weight_bytes)} of weights, {format_size(free)} free"
+    return torch.device("cpu"), (f"does not fit {device}: {format_size(weight_bytes)} of weights + "
+                                 f"{format_size(HEADROOM_BYTES)} headroom > {format_size(free)} free")

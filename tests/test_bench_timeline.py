@@ -1,0 +1,32 @@
+"""Profiler timelines: GPU activities split into a copy row and a compute row."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from weightstream.bench.shapes import build_model
+from weightstream.bench.timeline import record_timeline, timeline_events
+
+
+def test_timeline_events_put_host_copies_on_the_copy_row():
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    def event(name, device, start_us, end_us):
+        span = SimpleNamespace(start=start_us, end=end_us)
+        return SimpleNamespace(name=name, device_type=device, time_range=span)
+
+    events = [event("aten::mm", cpu, 0, 50), event("sm90_gemm", cuda, 1500, 2500),
+              event("Memcpy HtoD (Pinned -> Device)", cuda, 1000, 3000),
+              event("Memset (Device)", cuda, 3000, 3010)]
+    assert timeline_events(events) == [
+        ("copy", "Memcpy HtoD (Pinned -> Device)", 0.0, 2.0), ("compute", "sm90_gemm", 0.5, 1.5),
+        ("compute", "Memset (Device)", 2.0, 2.01)]
+    assert timeline_events([event("aten::mm", cpu, 0, 50)]) == []
+
+
+def test_record_timeline_is_empty_on_the_cpu():
+    model = build_model("tiny", torch.device("cpu"))
+    assert record_timeline(model, lambda: pytest.fail("must not run a forward on the CPU")) == []
