@@ -72,8 +72,8 @@ def vae(seed: int = 0):
     from diffusers import AutoencoderKL
 
     model = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8, 16),
-                          down_block_types=("DownEncoderBlock2D",) * 2, up_block_types=("UpDecoderBlock2D",) * 2,
-                          norm_num_groups=4, layers_per_block=1)
+                          down_block_types=("DownEncoderBlock2D",) * 2,
+                          up_block_types=("UpDecoderBlock2D",) * 2, norm_num_groups=4, layers_per_block=1)
     g = _gen(seed)
     return model, dict(sample=torch.randn(1, 3, 16, 16, generator=g), return_dict=False)
 

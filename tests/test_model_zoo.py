@@ -98,7 +98,7 @@ def test_encoder_decoder_generate_is_exact_with_a_prologue_per_decoder_step(name
     kwargs = dict(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for run in range(2):
+        for _ in range(2):
             prologues = handle.stats.prologues
             assert torch.equal(model.generate(inputs, **kwargs), ref.generate(inputs, **kwargs))
             steps = handle.stats.prologues - prologues
