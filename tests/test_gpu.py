@@ -18,6 +18,7 @@ from test_offload import Toy
 import weightstream as ws
 from weightstream.blocks import find_blocks
 from weightstream.offload import prepare
+from weightstream.plan import placement_of
 from weightstream.probe import H200
 from weightstream.timing import capture_graph
 
@@ -104,9 +105,12 @@ def capture(fn, ids):
 
 
 @pytest.mark.parametrize("compiled", [False, True])
-def test_manual_cuda_graph_replay_is_exact_and_self_contained(compiled, eager_rounding):
+@pytest.mark.parametrize("n_slots", [1, 2])
+def test_manual_cuda_graph_replay_is_exact_and_self_contained(compiled, n_slots, eager_rounding):
     ref, model = twins()
-    handle = ws.offload(model, gpu_memory=streaming_all_budget(model), strategy="stream")
+    cost = prepare(model, gpu_memory=2**40).cost  # forced: one slot is where the replay bug showed
+    placement = placement_of(cost, tuple(range(len(cost.block_bytes))), n_slots)
+    handle = ws.offload(model, gpu_memory=placement.gpu_bytes, placement=placement)
     fref, fmodel = logits_fn(ref), logits_fn(model)
     if compiled:
         fref, fmodel = torch.compile(fref, fullgraph=True), torch.compile(fmodel, fullgraph=True)

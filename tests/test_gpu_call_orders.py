@@ -1,0 +1,143 @@
+"""Every call order on the GPU: real CUDA graph replays (torch.cuda.graph, and cudagraph trees under
+mode="reduce-overhead") interleaved with single blocks, partial forwards, blocks that raise and whole
+eager forwards, on forced one- and two-slot placements (not the machine's profile). Skipped without
+CUDA; run with `pytest -m gpu`."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from test_call_orders import N_BLOCKS, Model
+
+import weightstream as ws
+from weightstream.offload import prepare
+from weightstream.plan import placement_of
+from weightstream.timing import capture_graph
+
+pytestmark = pytest.mark.gpu
+
+
+def gpu_twin(kind: str):
+    torch.manual_seed(0)
+    ref = Model(kind).eval().requires_grad_(False).to("cuda", torch.bfloat16)
+    return ref, copy.deepcopy(ref)
+
+
+def forced(model, n_slots: int):
+    cost = prepare(model, gpu_memory=2**40).cost
+    placement = placement_of(cost, tuple(range(N_BLOCKS)), n_slots)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    handle = ws.offload(model, gpu_memory=placement.gpu_bytes, placement=placement)
+    stats = handle.stats
+    freed = before - torch.cuda.memory_allocated()
+    assert freed >= stats.streamed_bytes - stats.staging_bytes - 512 * sum(1 for _ in model.parameters())
+    return handle
+
+
+def inp(seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(3, 8, generator=gen).to("cuda", torch.bfloat16)
+
+
+def eager_steps(ref, model, step: int) -> None:
+    """Between replays: a block alone, a partial forward, a block that raises, a whole forward."""
+    x = inp(100 + step)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        state = ref.start(x)
+        i = step % N_BLOCKS
+        got, want = model.run_block(i, state), ref.run_block(i, state)
+        assert all(torch.equal(got[k], want[k]) for k in want), f"block {i} alone"
+        ref.order = model.order = list(range(step % 3, N_BLOCKS - 1))
+        assert torch.equal(model(x), ref(x)), "partial forward"
+        ref.order = model.order = list(range(N_BLOCKS))
+        model.layers[(step + 2) % N_BLOCKS].fail = True
+        with pytest.raises(RuntimeError, match="on purpose"):
+            model(x)
+        model.layers[(step + 2) % N_BLOCKS].fail = False
+        assert torch.equal(model(x), ref(x)), "whole eager forward"
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("n_slots", [1, 2])
+@pytest.mark.parametrize("kind", ["one", "two"])
+def test_graph_replays_interleaved_with_eager_calls_are_exact(kind, n_slots, compiled):
+    ref, model = gpu_twin(kind)
+    handle = forced(model, n_slots)
+    fref, fmodel = ref, model
+    if compiled:
+        torch._dynamo.reset()
+        fref, fmodel = torch.compile(ref, fullgraph=True), torch.compile(model, fullgraph=True)
+    with torch.no_grad():
+        eager_steps(ref, model, 0)  # the capture starts from a state eager calls left
+        replay_ref, replay_model = capture_graph(fref, inp(0)), capture_graph(fmodel, inp(0))
+    for step in range(1, 6):
+        replay_ref.static_in.copy_(inp(step))
+        replay_model.static_in.copy_(inp(step))
+        out_ref, out_model = replay_ref(), replay_model()
+        torch.cuda.synchronize()
+        assert torch.equal(out_model, out_ref), f"replay {step}"
+        eager_steps(ref, model, step)
+    handle.restore()
+
+
+@pytest.mark.parametrize("kind", ["one", "two"])
+def test_reduce_overhead_interleaved_with_eager_calls_is_exact(kind):
+    ref, model = gpu_twin(kind)
+    forced(model, 1)
+    torch._dynamo.reset()
+    cref = torch.compile(ref, fullgraph=True, mode="reduce-overhead")
+    cmodel = torch.compile(model, fullgraph=True, mode="reduce-overhead")
+    with torch.no_grad():
+        for step in range(6):
+            a = cref(inp(step)).clone()
+            b = cmodel(inp(step)).clone()
+            assert torch.equal(a, b), f"compiled call {step}"
+            eager_steps(ref, model, step)
+
+
+def test_threads_on_the_gpu_are_exact():
+    import threading
+
+    ref, model = gpu_twin("two")
+    forced(model, 1)
+    inputs = [inp(s) for s in range(24)]
+    with torch.no_grad():
+        want = [ref(x) for x in inputs]
+    wrong: list[int] = []
+
+    def work(indices):
+        with torch.no_grad():
+            for i in indices:
+                out = model(inputs[i])
+                torch.cuda.current_stream().synchronize()
+                if not torch.equal(out, want[i]):
+                    wrong.append(i)
+
+    threads = [threading.Thread(target=work, args=(range(t, 24, 3),)) for t in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads) and not wrong
+
+
+def test_encoder_decoder_generate_on_the_gpu_has_no_misses():
+    from model_zoo import t5
+
+    ref, ids = t5()
+    ref = ref.eval().requires_grad_(False).to("cuda", torch.bfloat16)
+    model = copy.deepcopy(ref)
+    cost = prepare(model, gpu_memory=2**40).cost
+    placement = placement_of(cost, tuple(range(len(cost.block_bytes))), 2)
+    handle = ws.offload(model, gpu_memory=placement.gpu_bytes, placement=placement)
+    kwargs = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(2):
+            assert torch.equal(model.generate(ids.cuda(), **kwargs), ref.generate(ids.cuda(), **kwargs))
+    assert handle.stats.misses == 0
