@@ -185,7 +185,8 @@ def _through(op, tree, engine_id: int, group: int):
 class OffloadHandle:
     """The state of one offloaded model. Get it from `offload()`; `restore()` undoes the offload.
 
-    Attributes: `model`, `device`, `placement` (the `Placement`), `streamed_blocks` (names).
+    Attributes: `model`, `device`, `placement` (the `Placement`), `streamed_blocks` and `uva_blocks`
+    (the names of the blocks streamed through the slots, group by group, and read in place).
     """
 
     def __init__(
@@ -200,6 +201,7 @@ class OffloadHandle:
         self.device = prep.device
         self.placement = prep.placement
         self.streamed_blocks = [prep.block_names[i] for i in prep.placement.streamed]
+        self.uva_blocks = [prep.block_names[i] for i in prep.placement.uva]
         self._entries = prep.entries
         self._groups = prep.groups
         self._uva_groups = prep.uva_groups
