@@ -92,3 +92,27 @@ def bench_doc(bench_stored) -> dict:
 
     with open(bench_stored) as f:
         return json.load(f)
+
+
+class Boundaries:
+    """An engine whose ops do nothing: a resident model with the schedule ops at the blocks' edges."""
+
+    def wait(self, group: int) -> None: ...
+    def release(self, group: int) -> None: ...
+    def abort(self) -> None: ...
+    def on_graph_event(self) -> None: ...
+
+
+def with_boundaries(model):
+    """`model` (resident) with every block's tensors passed through the (idle) ops, as offloaded: the
+    reference for models whose compiled resident graph fuses across block edges (docs/exactness.md)."""
+    from weightstream import ops
+    from weightstream.blocks import find_blocks
+    from weightstream.offload import _streamed_class
+
+    model._boundaries = Boundaries()  # the registry holds engines weakly
+    engine_id = ops.register(model._boundaries)
+    for group, block in enumerate(find_blocks(model)):
+        block.module._ws_engine_id, block.module._ws_group = engine_id, group
+        block.module.__class__ = _streamed_class(type(block.module))
+    return model

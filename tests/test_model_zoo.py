@@ -12,12 +12,12 @@ import warnings
 import pytest
 import torch
 import torch.utils._pytree as pytree
+from conftest import with_boundaries
 from model_zoo import ZOO
 
 import weightstream as ws
-from weightstream import ops
 from weightstream.blocks import find_blocks
-from weightstream.offload import _streamed_class, prepare
+from weightstream.offload import prepare
 from weightstream.plan import placement_of
 
 pytest.importorskip("diffusers")
@@ -63,26 +63,6 @@ def test_eager_exact_and_no_misses_once_the_order_is_learned(name):
     assert handle.stats.prologues == prologues + 2  # one pass per forward
     handle.restore()
     assert same(call(model, inputs), call(ref, inputs))
-
-
-class Boundaries:
-    """An engine whose ops do nothing: a resident model with the schedule ops at the blocks' edges."""
-
-    def wait(self, group: int) -> None: ...
-    def release(self, group: int) -> None: ...
-    def abort(self) -> None: ...
-    def on_graph_event(self) -> None: ...
-
-
-def with_boundaries(model):
-    """`model` (resident) with every block's tensors passed through the (idle) ops, as offloaded: the
-    reference for models whose compiled resident graph fuses across block edges (docs/exactness.md)."""
-    model._boundaries = Boundaries()  # the registry holds engines weakly
-    engine_id = ops.register(model._boundaries)
-    for group, block in enumerate(find_blocks(model)):
-        block.module._ws_engine_id, block.module._ws_group = engine_id, group
-        block.module.__class__ = _streamed_class(type(block.module))
-    return model
 
 
 # (name, whether Inductor fuses across block edges in the resident model, so that only the reference
