@@ -146,3 +146,26 @@ def test_encoder_decoder_generate_on_the_gpu_has_no_misses():
         for _ in range(2):
             assert torch.equal(model.generate(ids.cuda(), **kwargs), ref.generate(ids.cuda(), **kwargs))
     assert handle.stats.misses == 0
+
+
+@pytest.mark.parametrize("n_slots", [1, 2])
+def test_a_captured_block_or_partial_forward_replays_exactly(n_slots):
+    """A capture of part of a pass (one block; blocks 1-3) ends with its copies joined, and its replays
+    interleave with whole eager forwards."""
+    ref, model = gpu_twin("one")
+    forced(model, n_slots)
+
+    def part(m):
+        return lambda x: m.layers[3](m.layers[2](m.layers[1](x)))
+
+    with torch.no_grad():
+        one = capture_graph(lambda x: model.layers[2](x), inp(0))
+        three = capture_graph(part(model), inp(0))
+        for step in range(1, 4):
+            x = inp(step)
+            one.static_in.copy_(x)
+            three.static_in.copy_(x)
+            assert torch.equal(one(), ref.layers[2](x))
+            assert torch.equal(model(x), ref(x))
+            assert torch.equal(three(), part(ref)(x))
+            assert torch.equal(model.layers[4](x), ref.layers[4](x))

@@ -259,9 +259,9 @@ class OffloadHandle:
         self._leave()
 
     def on_graph_event(self) -> None:
-        """A CUDA graph capture begins or ends, or a replay starts (`replay.py`): join the eager copies
-        in flight and forget what the slots hold."""
-        self._transfer.join_eager()
+        """A CUDA graph capture begins or ends, or a replay starts (`replay.py`): join the copies in
+        flight and forget what the slots hold."""
+        self._transfer.join_for_graph()
         self._schedule.invalidate()
 
     def _enter(self) -> None:

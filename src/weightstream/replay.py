@@ -4,11 +4,13 @@ Why: the schedule runs on the host and tracks what each staging slot holds. A gr
 Python, yet it rewrites the slots (its captured copies run again), and a capture records copies
 without running them. Without being told, the next eager call would trust a slot a replay overwrote
 (the stale-weights bug this module fixes). So `torch.cuda.CUDAGraph.capture_begin`, `capture_end` and
-`replay` are wrapped once, process-wide: before each, every live engine makes the current stream wait
-for its copies still in flight (so a replay never races an eager prefetch into the same slot) and
-forgets what its slots hold (so its next wait starts a fresh pass). This covers `torch.cuda.graph`,
-`torch.cuda.make_graphed_callables` and torch.compile's cudagraph trees (`mode="reduce-overhead"`),
-which all go through `torch.cuda.CUDAGraph`. The cost is a few microseconds per replay.
+`replay` are wrapped once, process-wide. Before a capture begins, before and after it ends, and before
+each replay, every live engine makes the current stream wait for its copies still in flight (so a
+replay never races an eager prefetch into the same slot, and a capture of part of a pass ends with
+its copy stream joined) and forgets what its slots hold (so its next wait starts a fresh pass). This
+covers `torch.cuda.graph`, `torch.cuda.make_graphed_callables` and torch.compile's cudagraph trees
+(`mode="reduce-overhead"`), which all go through `torch.cuda.CUDAGraph`; a replay through the raw
+`torch._C._CUDAGraph` class is not seen. The cost is a few microseconds per replay.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ _engines: Callable[[], Iterable] = lambda: ()  # noqa: E731  set by install()
 
 def notify() -> None:
     """Make every live engine join its copies in flight and forget its slots' contents. Called before
-    a graph capture begins, after it ends and before each replay (tests call it to simulate one)."""
+    a graph capture begins, before and after it ends and before each replay (tests call it to
+    simulate one)."""
     for engine in list(_engines()):
         engine.on_graph_event()
 
@@ -32,8 +35,7 @@ def notify() -> None:
 def _wrap(method: Callable, after: bool = False) -> Callable:
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
-        if not after:
-            notify()
+        notify()
         result = method(self, *args, **kwargs)
         if after:
             notify()

@@ -43,8 +43,9 @@ class SyncTransfer:
     def join(self) -> None:
         """Make compute wait for every copy started so far (here: nothing to wait for)."""
 
-    def join_eager(self) -> None:
-        """Before a graph capture or replay: wait for eager copies in flight (here: none)."""
+    def join_for_graph(self) -> None:
+        """At a graph capture's start or end and before a replay: wait for copies in flight (here:
+        none)."""
 
     def capturing(self) -> bool:
         """True while a CUDA graph is being captured on the current stream (here: never)."""
@@ -143,10 +144,16 @@ class CudaTransfer(SyncTransfer):
         """Make the compute stream wait for every copy started so far (keeps CUDA graph capture joined)."""
         torch.cuda.current_stream(self.device).wait_stream(self.stream)
 
-    def join_eager(self) -> None:
-        """Before a graph capture or replay: make the current stream wait for the eager copies still in
-        flight, so the graph's own copies into the same slots never race them."""
+    def join_for_graph(self) -> None:
+        """At a capture's start or end and before a replay: make the current stream wait for the copies
+        still in flight. Eagerly, so a graph's copies into the same slots never race them; inside a
+        capture about to end (a partial pass captured), so the copy stream is joined back into it."""
         if not torch.cuda.is_current_stream_capturing():
+            self.join()
+            return
+        with torch.cuda.stream(self.stream):
+            forked = torch.cuda.is_current_stream_capturing()  # the copy stream is part of the capture
+        if forked:
             self.join()
 
     def synchronize(self) -> None:
