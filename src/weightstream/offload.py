@@ -226,23 +226,28 @@ class OffloadHandle:
     def wait(self, group: int) -> None:
         """Make group `group`'s weights ready in its slot before its block computes."""
         self._enter()
-        self._transfer.check_capture()
-        capturing = self._transfer.capturing()
-        if capturing != self._capturing:  # a capture began or ended: its copies ran not / not yet
-            self._capturing = capturing
-            self._schedule.invalidate()
-        plan = self._schedule.on_wait(group, capturing)
-        for slot, g in plan.copies:
-            self._transfer.start_copy(slot, g)
-        self._transfer.wait(plan.slot)
-        if plan.miss and not self._warned:
-            self._warned = True
-            warnings.warn(
-                f"weightstream: block {self.streamed_blocks[group]} ran out of the learned order; its "
-                "weights were copied when it was called (correct, but slower) and the new order is "
-                "learned. handle.stats.misses counts such waits. Warned once per model.",
-                stacklevel=2,
-            )
+        try:
+            self._transfer.check_capture()
+            capturing = self._transfer.capturing()
+            if capturing != self._capturing:  # a capture began or ended: its copies ran not / not yet
+                self._capturing = capturing
+                self._schedule.invalidate()
+            plan = self._schedule.on_wait(group, capturing)
+            for slot, g in plan.copies:
+                self._transfer.start_copy(slot, g)
+            self._transfer.wait(plan.slot)
+            if plan.miss and not self._warned:
+                self._warned = True
+                warnings.warn(
+                    f"weightstream: block {self.streamed_blocks[group]} ran out of the learned order; "
+                    "its weights were copied when it was called (correct, but slower) and the new order "
+                    "is learned. handle.stats.misses counts such waits. Warned once per model.",
+                    stacklevel=2,
+                )
+        except BaseException:
+            self._schedule.invalidate()  # copies may have been half started
+            self._leave()
+            raise
 
     def release(self, group: int) -> None:
         """After group `group` computed: start the copy of the next group that uses its slot."""
