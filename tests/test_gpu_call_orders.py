@@ -131,10 +131,11 @@ def test_threads_on_the_gpu_are_exact():
     assert not any(t.is_alive() for t in threads) and not wrong
 
 
-def test_encoder_decoder_generate_on_the_gpu_has_no_misses():
-    from model_zoo import t5
+@pytest.mark.parametrize("name", ["t5", "whisper"])
+def test_encoder_decoder_generate_on_the_gpu_has_no_misses(name):
+    from model_zoo import SEQ2SEQ
 
-    ref, ids = t5()
+    ref, ids = SEQ2SEQ[name]()
     ref = ref.eval().requires_grad_(False).to("cuda", torch.bfloat16)
     model = copy.deepcopy(ref)
     cost = prepare(model, gpu_memory=2**40).cost
@@ -144,7 +145,8 @@ def test_encoder_decoder_generate_on_the_gpu_has_no_misses():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for _ in range(2):
-            assert torch.equal(model.generate(ids.cuda(), **kwargs), ref.generate(ids.cuda(), **kwargs))
+            src = ids.cuda() if name == "t5" else ids.to("cuda", torch.bfloat16)
+            assert torch.equal(model.generate(src, **kwargs), ref.generate(src, **kwargs))
     assert handle.stats.misses == 0
 
 
