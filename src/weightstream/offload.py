@@ -61,6 +61,7 @@ class Entry:
         # a wrapper subclass (torchao) is stored as its inner tensors' bytes (subclass.py); None: plain
         self.flat = subclass.check(self.tensor, self.name or "a tensor")
         self.nbytes = self.flat.nbytes if self.flat else self.tensor.numel() * self.tensor.element_size()
+        self.bf16_bytes = subclass.bf16_bytes(self.tensor, self.nbytes)  # what a bf16 GEMM would read
 
     def view_of(self, raw: torch.Tensor) -> torch.Tensor:
         """View `raw` (uint8 bytes of exactly this tensor) as this tensor: its dtype and shape, or its
@@ -465,8 +466,11 @@ def model_cost(entries: list[Entry], per_block: list[list[Entry]], slot_bytes: l
     experts, top_k = routing
     routed = tuple(sum(e.nbytes for e in group if len(e.shape) == 3 and e.shape[0] == experts)
                    for group in per_block) if experts else ()
+    quant = tuple(sum(e.nbytes for e in group if e.bf16_bytes != e.nbytes) for group in per_block)
+    quant_bf16 = tuple(sum(e.bf16_bytes for e in group if e.bf16_bytes != e.nbytes) for group in per_block)
     return ModelCost(sum(outside), max(outside, default=0), block_bytes, tuple(slot_bytes), width,
-                     tensor_bytes, routed if any(routed) else (), experts, top_k)
+                     tensor_bytes, routed if any(routed) else (), experts, top_k,
+                     quant if any(quant) else (), quant_bf16 if any(quant) else ())
 
 
 def expert_routing(model: nn.Module) -> tuple[int, int]:

@@ -208,3 +208,18 @@ def with_class_of(template: torch.Tensor, plain: torch.Tensor) -> torch.Tensor:
     rebuilt = torch.Tensor._make_subclass(type(template), plain, False)
     rebuilt.__dict__.update(vars(template))
     return rebuilt
+
+
+# 1-byte weights hold one weight a byte, except uint8, which holds two (packed int4)
+_WEIGHTS_PER_BYTE = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 1, torch.int8: 1, torch.uint8: 2}
+
+
+def bf16_bytes(tensor: torch.Tensor, nbytes: int) -> int:
+    """Bytes a bf16 GEMM over the same weights as `tensor` (stored in `nbytes`) would read: the cost
+    model times a quantized weight's dequantizing GEMM from it. `nbytes` itself for a plain tensor
+    of 2 bytes or more, or one that is not a matrix (a scale, a bias)."""
+    if is_traceable_wrapper_subclass(tensor):
+        return 2 * tensor.numel()
+    if tensor.dim() < 2 or tensor.dtype not in _WEIGHTS_PER_BYTE:
+        return nbytes
+    return 2 * _WEIGHTS_PER_BYTE[tensor.dtype] * tensor.numel()
