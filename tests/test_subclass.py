@@ -228,13 +228,23 @@ def test_torchao_model_streams_exactly_zero_copy_and_auto():
 
 
 class PackedParameter(nn.Parameter):
-    """Like diffusers' GGUFParameter: its own uint8 storage plus plain attributes."""
+    """Built like diffusers' GGUFParameter: its own uint8 storage, plain attributes, and a
+    __torch_function__ that keeps the class and quant_type through torch functions."""
 
     def __new__(cls, data, requires_grad=False, quant_type=None):
         self = torch.Tensor._make_subclass(cls, data, requires_grad)
         self.quant_type = quant_type
-        self.quant_shape = (data.shape[0], data.shape[1] * 2)
+        self.quant_shape = (*data.shape[:-1], data.shape[-1] * 2) if data.dim() else ()
         return self
+
+    def as_tensor(self):
+        return torch.Tensor._make_subclass(torch.Tensor, self, self.requires_grad)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        result = super().__torch_function__(func, types, args, kwargs or {})
+        quant_type = next((a.quant_type for a in args if isinstance(a, PackedParameter)), None)
+        return cls(result, quant_type=quant_type) if isinstance(result, torch.Tensor) else result
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
@@ -261,7 +271,7 @@ class Int4Linear(nn.Module):
         self.scale = nn.Parameter(scale.to(w.dtype), requires_grad=False)
 
     def forward(self, x):
-        weight = self.weight if type(self.weight) is nn.Parameter else self.weight.as_subclass(torch.Tensor)
+        weight = self.weight if type(self.weight) is nn.Parameter else self.weight.as_tensor()
         return F.linear(x, unpack_int4(weight).to(x.dtype) * self.scale)
 
 
