@@ -71,6 +71,5 @@ def test_quantized_weights_stream_exactly_and_leave_the_gpu(kind, eager_rounding
     leaves = sum(len(subclass.leaves_of(t)) for t in model.parameters())
     assert abs(freed - (stats.streamed_bytes - stats.staging_bytes)) <= 512 * leaves
     assert_exact_eager_compiled_and_in_a_graph(ref, model)
-    assert handle.stats.fetches == 0
     handle.restore()
     assert_same_state(model, original)

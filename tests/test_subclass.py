@@ -85,6 +85,7 @@ def assert_streams_exactly(ref, model, compiled=True):
     with torch.no_grad():
         for seed in range(2):
             assert torch.equal(model(ids_for(seed)).logits, ref(ids_for(seed)).logits)
+    assert handle.stats.copies == 2 * stats.groups  # every group copied once a forward, in order
     if compiled:
         torch._dynamo.reset()
         cref, cmodel = torch.compile(ref, fullgraph=True), torch.compile(model, fullgraph=True)
@@ -93,7 +94,6 @@ def assert_streams_exactly(ref, model, compiled=True):
             assert torch.equal(cmodel(ids_for(3)).logits, cref(ids_for(3)).logits)
             assert handle.stats.copies == before + handle.stats.groups  # the schedule ran in the graph
         torch._dynamo.reset()
-    assert handle.stats.fetches == 0
     handle.restore()
     assert_same_state(model, original)
     with torch.no_grad():
@@ -314,14 +314,14 @@ def test_a_storage_backed_parameter_subclass_streams_and_keeps_its_class():
 def test_plain_fp8_weights_with_block_scales_stream_exactly(dtype):
     ref = fp8.quantize_model(make_model("llama"), block_size=(32, 32), dtype=dtype)
     assert ref.model.layers[0].self_attn.q_proj.weight.dtype == dtype
-    assert_streams_exactly(ref, copy.deepcopy(ref), compiled=dtype == torch.float8_e4m3fn)
+    assert_streams_exactly(ref, copy.deepcopy(ref), compiled=False)  # compiled: test_fp8.py
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_plain_int8_and_packed_int4_weights_stream_exactly(kind):
     make = Int8Linear if kind == "int8" else Int4Linear
     ref = swap_linears(make_model("llama"), make)
-    assert_streams_exactly(ref, copy.deepcopy(ref))
+    assert_streams_exactly(ref, copy.deepcopy(ref), compiled=kind == "int4")
 
 
 # --- refused types ------------------------------------------------------------------------------------------
