@@ -154,3 +154,16 @@ def test_replace_linears_keeps_the_lm_head_and_meta():
     swapped = fp8.replace_linears(model, (32, 32))
     assert swapped == ["layers.0"] and type(model["lm_head"]) is nn.Linear
     assert model["layers"][0].weight.is_meta and model["layers"][0].weight.dtype == torch.float8_e4m3fn
+
+
+def test_fp8_groups_stream_from_the_disk_tier_as_stored(tmp_path):
+    ref = fp8_checkpoint(tmp_path)
+    load = dict(gpu_memory="100KB", device="cpu", progress=False, strategy="stream")
+    plain = ws.handle_of(ws.from_pretrained(tmp_path, **load)).stats
+    group = plain.staging_bytes // plain.slots
+    model = ws.from_pretrained(tmp_path, cpu_memory=3 * group + group // 2, **load)
+    stats = ws.handle_of(model).stats
+    assert 0 < stats.disk_bytes < stats.streamed_bytes  # fp8 bytes read from the shards every forward
+    with torch.no_grad():
+        for seed in range(2):
+            assert torch.equal(model(ids_for(seed)).logits, ref(ids_for(seed)).logits)

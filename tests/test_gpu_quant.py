@@ -73,3 +73,20 @@ def test_quantized_weights_stream_exactly_and_leave_the_gpu(kind, eager_rounding
     assert_exact_eager_compiled_and_in_a_graph(ref, model)
     handle.restore()
     assert_same_state(model, original)
+
+
+def test_a_quantized_model_on_the_host_offloads_to_the_gpu_exactly():
+    """Quantized on the CPU, offloaded to the GPU: resident subclass weights are rebuilt on the device,
+    streamed ones in pinned memory."""
+    ao = pytest.importorskip("torchao.quantization")
+    ref = wide_llama()
+    ao.quantize_(ref, ao.Int8WeightOnlyConfig())
+    model = copy.deepcopy(ref).cpu()
+    handle = ws.offload(model, gpu_memory=streaming_budget(ref), device="cuda", strategy="stream")
+    assert handle.stats.groups >= 2
+    assert all(leaf.is_cuda for t in model.parameters() for leaf in subclass.leaves_of(t))
+    ids = torch.randint(0, 128, (2, 16), device="cuda")
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref(ids).logits)
+    handle.restore(device="cpu")
+    assert all(not leaf.is_cuda for t in model.parameters() for leaf in subclass.leaves_of(t))
