@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from . import ops, subclass
+from . import kinds, ops, subclass
 from .blocks import find_blocks
 from .cost import ModelCost, largest
 from .disk import DiskTier
@@ -59,22 +59,22 @@ class Entry:
         self.shape = tuple(self.tensor.shape)
         self.dtype = self.tensor.dtype
         # a wrapper subclass (torchao) is stored as its inner tensors' bytes (subclass.py); None: plain
-        self.flat = subclass.check(self.tensor, self.name or "a tensor")
+        self.flat = kinds.check(self.tensor, self.name or "a tensor")
         self.nbytes = self.flat.nbytes if self.flat else self.tensor.numel() * self.tensor.element_size()
-        self.bf16_bytes = subclass.bf16_bytes(self.tensor, self.nbytes)  # what a bf16 GEMM would read
+        self.bf16_bytes = kinds.bf16_bytes(self.tensor, self.nbytes)  # what a bf16 GEMM would read
 
     def view_of(self, raw: torch.Tensor) -> torch.Tensor:
         """View `raw` (uint8 bytes of exactly this tensor) as this tensor: its dtype and shape, or its
         subclass rebuilt over views of `raw`."""
         if self.flat:
             return self.flat.view_of(raw)
-        return subclass.with_class_of(self.tensor, raw.view(self.dtype).view(self.shape))
+        return kinds.with_class_of(self.tensor, raw.view(self.dtype).view(self.shape))
 
     def empty(self, device: torch.device) -> torch.Tensor:
         """A new uninitialized tensor like this one on `device`."""
         if self.flat:
             return self.flat.empty(device)
-        return subclass.with_class_of(self.tensor, torch.empty(self.shape, dtype=self.dtype, device=device))
+        return kinds.with_class_of(self.tensor, torch.empty(self.shape, dtype=self.dtype, device=device))
 
     def own(self) -> torch.Tensor:
         """This tensor as its own final place (it stays where it is)."""

@@ -1,4 +1,4 @@
-"""Tensor-subclass weights (torchao's quantized tensors, GGUF parameters), streamed as their bytes.
+"""Wrapper-subclass weights (torchao's quantized tensors), streamed as their inner tensors' bytes.
 
 A traceable wrapper subclass (one with `__tensor_flatten__` / `__tensor_unflatten__`, as torchao's
 Int8Tensor, Float8Tensor and Int4 tensors are) has no storage of its own: its bytes are its inner
@@ -6,15 +6,11 @@ tensors'. We flatten it, recursively, into plain leaf tensors, lay the leaves ou
 (each aligned) as the entry's bytes, and rebuild the subclass with `__tensor_unflatten__` over views
 of those bytes, wherever they are: the host arena, a GPU slot, the device. torch.compile flattens a
 subclass into the same inner tensors, so it (and a CUDA graph) sees fixed views of slot memory exactly
-as for a plain streamed weight. A storage-backed subclass (`_make_subclass`, as diffusers'
-GGUFParameter) is its own bytes plus plain Python attributes: it streams like a plain tensor and keeps
-its class and attributes. Anything else (bitsandbytes' parameters, whose quantization state lives in
-tensors outside the module tree) is refused by name here, before anything moves.
+as for a plain streamed weight. Which tensors take this path, and which are refused, is `kinds.py`.
 """
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +21,6 @@ from .errors import UnsupportedTensorError
 from .layout import pack
 
 _PLAIN = (torch.Tensor, nn.Parameter)
-_SIMPLE = (type(None), bool, int, float, str, enum.Enum, torch.dtype, torch.Size, torch.device)
 
 
 @dataclass(frozen=True)
@@ -120,7 +115,7 @@ def flatten(tensor: torch.Tensor, name: str) -> Flattened:
         if not is_traceable_wrapper_subclass(t):
             if type(t) not in _PLAIN:
                 raise UnsupportedTensorError(
-                    f"{path} is a {_type_name(t)} inside a tensor subclass: weightstream streams plain "
+                    f"{path} is a {type_name(t)} inside a tensor subclass: weightstream streams plain "
                     "inner tensors only; keep this weight resident (blocks=...) or quantize it with a "
                     "torchao weight-only config"
                 )
@@ -145,81 +140,7 @@ def copy_leaves(dst: torch.Tensor, src: torch.Tensor) -> None:
         d.copy_(s.detach())
 
 
-def _type_name(t: torch.Tensor) -> str:
+def type_name(t: torch.Tensor) -> str:
+    """`module.QualifiedName` of the tensor's class, for messages."""
     cls = type(t)
     return f"{cls.__module__}.{cls.__qualname__}"
-
-
-def _bnb_hint(t: torch.Tensor) -> str | None:
-    if not type(t).__module__.startswith("bitsandbytes"):
-        return None
-    return (
-        f"{type(t).__name__} (bitsandbytes) cannot be streamed: its quantization state (absmax, code, "
-        "the 8-bit CB/SCB) lives in tensors outside the model's parameters, and its forward rebinds "
-        "weight.data, so a streamed view would be replaced and the GPU copy never freed (docs/quantized.md). "
-        "Quantize with torchao instead (Int8WeightOnlyConfig, Int4WeightOnlyConfig, "
-        "Float8WeightOnlyConfig), or load an FP8 checkpoint, which weightstream streams as stored"
-    )
-
-
-def check(tensor: torch.Tensor, name: str) -> Flattened | None:
-    """How weightstream stores `tensor` (named `name` in messages): None for a plain tensor or a
-    storage-backed subclass (its own bytes), a Flattened layout for a wrapper subclass. Raises
-    UnsupportedTensorError naming the tensor and its type for anything it cannot stream exactly."""
-    if type(tensor) in _PLAIN:
-        return None
-    hint = _bnb_hint(tensor)
-    if hint is not None:
-        raise UnsupportedTensorError(f"{name}: {hint}")
-    if is_traceable_wrapper_subclass(tensor):
-        if tensor.is_meta:
-            raise UnsupportedTensorError(
-                f"{name} is a {_type_name(tensor)} on the meta device: load its inner tensors first")
-        return flatten(tensor, name)
-    if hasattr(type(tensor), "__torch_dispatch__") and type(tensor).__torch_dispatch__ is not \
-            torch.Tensor.__torch_dispatch__:
-        raise UnsupportedTensorError(
-            f"{name} is a {_type_name(tensor)}, a tensor subclass with its own __torch_dispatch__ but no "
-            "__tensor_flatten__/__tensor_unflatten__: weightstream cannot tell which tensors hold its "
-            "bytes. Implement those two methods (as torchao's tensors do) or keep it off the streamed blocks"
-        )
-    for attr, value in vars(tensor).items():
-        if attr != "_is_param" and not _simple(value):
-            raise UnsupportedTensorError(
-                f"{name} is a {_type_name(tensor)} whose attribute {attr!r} holds a {type(value).__name__}: "
-                "weightstream streams a storage-backed subclass only when its bytes are all in its own "
-                "storage (attributes of plain values, as diffusers' GGUFParameter), so it cannot stream "
-                "this one exactly; keep it off the streamed blocks or use a torchao quantization config"
-            )
-    return None
-
-
-def _simple(value: object) -> bool:
-    if isinstance(value, (tuple, list)):
-        return all(_simple(v) for v in value)
-    return isinstance(value, _SIMPLE)
-
-
-def with_class_of(template: torch.Tensor, plain: torch.Tensor) -> torch.Tensor:
-    """`plain` (a view of some bytes) as a tensor of `template`'s storage-backed subclass, with its
-    attributes (a GGUF buffer stays a GGUF tensor); `plain` itself for a plain template."""
-    if type(template) in _PLAIN:
-        return plain
-    rebuilt = torch.Tensor._make_subclass(type(template), plain, False)
-    rebuilt.__dict__.update(vars(template))
-    return rebuilt
-
-
-# 1-byte weights hold one weight a byte, except uint8, which holds two (packed int4)
-_WEIGHTS_PER_BYTE = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 1, torch.int8: 1, torch.uint8: 2}
-
-
-def bf16_bytes(tensor: torch.Tensor, nbytes: int) -> int:
-    """Bytes a bf16 GEMM over the same weights as `tensor` (stored in `nbytes`) would read: the cost
-    model times a quantized weight's dequantizing GEMM from it. `nbytes` itself for a plain tensor
-    of 2 bytes or more, or one that is not a matrix (a scale, a bias)."""
-    if is_traceable_wrapper_subclass(tensor):
-        return 2 * tensor.numel()
-    if tensor.dim() < 2 or tensor.dtype not in _WEIGHTS_PER_BYTE:
-        return nbytes
-    return 2 * _WEIGHTS_PER_BYTE[tensor.dtype] * tensor.numel()
