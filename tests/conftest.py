@@ -103,16 +103,18 @@ class Boundaries:
     def on_graph_event(self) -> None: ...
 
 
-def with_boundaries(model):
-    """`model` (resident) with every block's tensors passed through the (idle) ops, as offloaded: the
-    reference for models whose compiled resident graph fuses across block edges (docs/exactness.md)."""
+def with_boundaries(model, names: list[str] | None = None):
+    """`model` (resident) with the tensors of its blocks (those named, default all) passed through the
+    (idle) ops, as offloaded: the reference for compiled models whose resident graph fuses across
+    block edges (docs/exactness.md)."""
     from weightstream import ops
     from weightstream.blocks import find_blocks
     from weightstream.offload import _streamed_class
 
     model._boundaries = Boundaries()  # the registry holds engines weakly
     engine_id = ops.register(model._boundaries)
-    for group, block in enumerate(find_blocks(model)):
+    blocks = [b for b in find_blocks(model) if names is None or b.name in names]
+    for group, block in enumerate(blocks):
         block.module._ws_engine_id, block.module._ws_group = engine_id, group
         block.module.__class__ = _streamed_class(type(block.module))
     return model

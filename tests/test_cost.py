@@ -83,3 +83,21 @@ def test_routed_experts_are_read_in_the_share_any_token_reaches():
     assert predict(moe, (), 0, (), 1, PROFILE).ms == pytest.approx(2 * 0.6 * 1e3)
     # a copy moves every expert (the router has not run): 10 s per block, whatever the tokens
     assert predict(moe, (0, 1), 2, (), 1, PROFILE).ms == pytest.approx(20e3 + 0.6e3)
+
+
+def test_quantized_weights_cost_their_dequantizing_gemm():
+    """A block of 10 fp8 bytes (20 bf16-equivalent bytes): streaming moves 10 bytes, computing costs the
+    bf16 GEMM of 20 bytes times the dequantize ratio."""
+    profile = MachineProfile("q", copy_s_per_byte=1.0, resident={1: 0.1, 2048: 0.1}, uva={1: 2.0, 2048: 2.0},
+                             dequant={1: 3.0, 2048: 1.5})
+    quant = ModelCost(0, 0, (10, 10), quant_bytes=(10, 10), quant_bf16_bytes=(20, 20))
+    assert predict(quant, (), 0, (), 1, profile).ms == pytest.approx(2 * 20 * 0.1 * 3.0 * 1e3)
+    assert predict(quant, (), 0, (), 2048, profile).ms == pytest.approx(2 * 20 * 0.1 * 1.5 * 1e3)
+    # streamed: copies of the 10 stored bytes, back to back, then the last block's 6 s of compute
+    assert predict(quant, (0, 1), 2, (), 1, profile).ms == pytest.approx((20 + 6) * 1e3)
+
+
+def test_a_partly_quantized_block_splits_its_bytes():
+    profile = MachineProfile("q", 1.0, resident={1: 0.1}, uva={1: 2.0}, dequant={1: 2.0})
+    mixed = ModelCost(0, 0, (10,), quant_bytes=(4,), quant_bf16_bytes=(8,))
+    assert predict(mixed, (), 0, (), 1, profile).ms == pytest.approx((6 * 0.1 + 8 * 0.1 * 2.0) * 1e3)

@@ -50,3 +50,12 @@ def test_a_cached_profile_counts_only_with_block_times(tmp_path):
     del old["block_extra"]
     path.write_text(json.dumps(old))
     assert cached_profile(path) is None  # cached before block times: measured again
+
+
+def test_dequant_ratio_defaults_interpolates_and_holds_past_the_ends():
+    from weightstream.probe import DEQUANT_DEFAULT, H200, MachineProfile
+
+    assert H200.dequant_ratio(1) == DEQUANT_DEFAULT[1] and H200.dequant_ratio(10**6) == DEQUANT_DEFAULT[2048]
+    p = MachineProfile("t", 1.0, {1: 1.0}, {1: 1.0}, dequant={1: 3.0, 100: 1.0})
+    assert p.dequant_ratio(10) == pytest.approx(2.0) and p.dequant_ratio(10**5) == 1.0
+    assert MachineProfile.from_json(p.to_json()) == p

@@ -7,7 +7,13 @@
 """
 
 from .checkpoint import CheckpointError
-from .errors import BudgetError, OffloadStateError, PinnedMemoryError, WeightstreamError
+from .errors import (
+    BudgetError,
+    OffloadStateError,
+    PinnedMemoryError,
+    UnsupportedTensorError,
+    WeightstreamError,
+)
 from .hf import from_pretrained
 from .offload import OffloadHandle, OffloadStats, handle_of, offload
 from .plan import Placement
@@ -21,6 +27,7 @@ __all__ = [
     "OffloadStats",
     "PinnedMemoryError",
     "Placement",
+    "UnsupportedTensorError",
     "WeightstreamError",
     "format_size",
     "from_pretrained",

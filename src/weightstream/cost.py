@@ -45,6 +45,10 @@ class ModelCost:
     routed_bytes: tuple[int, ...] = ()  # each block's bytes of routed experts (mixture of experts); (): none
     experts: int = 0  # routed experts per block
     top_k: int = 0  # experts each token is routed to
+    # each block's stored bytes of quantized weights (fp8, int8, int4, tensor subclasses) and the bytes a
+    # bf16 GEMM over the same weights would read; (): no quantized weights
+    quant_bytes: tuple[int, ...] = ()
+    quant_bf16_bytes: tuple[int, ...] = ()
 
     def reads(self, block: int, tokens: int) -> tuple[tuple[float, float], ...]:
         """(bytes, tokens) of the GEMMs of `block` at `tokens` tokens per forward: its dense bytes at
@@ -56,6 +60,21 @@ class ModelCost:
             return (dense,)
         share = 1.0 - (1.0 - self.top_k / self.experts) ** tokens
         return dense, (routed * share, tokens * self.top_k / (self.experts * share))
+
+    def resident_seconds(self, block: int, tokens: int, profile: MachineProfile) -> float:
+        """Seconds of `block`'s GEMMs at `tokens` tokens per forward with its weights on the device: plain
+        weights at the bf16 rate per byte, quantized ones as a dequantizing GEMM (the bf16 GEMM of the
+        same weights times `profile.dequant_ratio`)."""
+        total = self.block_bytes[block]
+        quant = self.quant_bytes[block] if self.quant_bytes else 0
+        seconds = 0.0
+        for nbytes, m in self.reads(block, tokens):
+            share = nbytes / total if total else 0.0  # routed reads touch the same mix of tensors
+            seconds += profile.resident_seconds(nbytes - quant * share, m)
+            if quant:
+                seconds += profile.resident_seconds(self.quant_bf16_bytes[block] * share, m) * \
+                    profile.dequant_ratio(m)
+        return seconds
 
     def streamed_bytes(self, block: int, part: int = 0) -> int:
         """Bytes of `block` that stream when its `part` largest tensors do (0: the whole block)."""
@@ -123,10 +142,10 @@ def predict(
                 start_copy(first, compute)  # the prologue, issued when the forward reaches group 0
         if g is not None:
             compute = max(compute, done[g])
-        compute += gemm_seconds(profile.resident_seconds, block) + extra
+        compute += model.resident_seconds(block, tokens, profile) + extra
         if g is not None and g + n_slots < len(streamed):
             start_copy(g + n_slots, compute)  # released: the next group of this slot
     compute += profile.resident_seconds(model.head_bytes, tokens)
-    resident = sum(gemm_seconds(profile.resident_seconds, b) + extra for b in range(len(model.block_bytes)))
+    resident = sum(model.resident_seconds(b, tokens, profile) + extra for b in range(len(model.block_bytes)))
     resident += profile.resident_seconds(model.head_bytes, tokens)
     return Prediction(compute * 1e3, resident * 1e3, link * 1e3, "link" if link >= resident else "compute")

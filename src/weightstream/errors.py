@@ -19,3 +19,7 @@ class OffloadStateError(WeightstreamError):
 
 class PinnedMemoryError(WeightstreamError):
     """Page-locking host memory failed (container memlock limit, WSL...)."""
+
+
+class UnsupportedTensorError(WeightstreamError):
+    """A weight whose type weightstream cannot stream exactly (named, with what to use instead)."""

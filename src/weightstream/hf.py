@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from . import fp8
 from .checkpoint import CheckpointError, StoredTensor, read_index, read_into
 from .disk import DiskTier
 from .errors import BudgetError
@@ -81,7 +82,29 @@ def _build_model(folder: Path, dtype: torch.dtype | None) -> nn.Module:
         raise CheckpointError(
             f"{folder}: transformers does not know this architecture ({config.model_type}): {err}"
         ) from None
+    _quantized_layers(model, config, folder)
     return model.eval().requires_grad_(False)
+
+
+def _quantized_layers(model: nn.Module, config, folder: Path) -> None:
+    """Give a model built from a quantized checkpoint's config the layers its tensors load into: FP8
+    (transformers' fine-grained "fp8" method) gets `fp8.Fp8Linear`; any other method is refused, so
+    nothing is ever dequantized on load."""
+    quant = getattr(config, "quantization_config", None)
+    if quant is None:
+        return
+    quant = quant if isinstance(quant, dict) else quant.to_dict()
+    method = quant.get("quant_method")
+    if method != "fp8":
+        raise CheckpointError(
+            f"{folder}: config.json's quantization_config has quant_method={method!r}; from_pretrained loads "
+            "bf16/fp16/fp32 and fine-grained FP8 ('fp8') checkpoints. For others, build the quantized model "
+            "yourself (e.g. torchao's quantize_) and call weightstream.offload on it"
+        )
+    try:
+        fp8.convert_for_checkpoint(model, quant)
+    except ValueError as err:
+        raise CheckpointError(f"{folder}: {err}") from None
 
 
 def _entry_names(model: nn.Module, entries: list[Entry]) -> dict[str, Entry]:
@@ -127,7 +150,9 @@ def _match(model: nn.Module, entries: list[Entry], stored: dict[str, StoredTenso
         if tensor.shape != entry.shape:
             raise CheckpointError(f"{folder}: {name} has shape {list(tensor.shape)} in the checkpoint but "
                                   f"{list(entry.shape)} in the model built from config.json")
-        if tensor.dtype.is_floating_point != entry.dtype.is_floating_point:
+        low = (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8, torch.uint8)
+        if tensor.dtype.is_floating_point != entry.dtype.is_floating_point or (
+                (tensor.dtype in low) != (entry.dtype in low)):  # never a silent (de)quantize
             raise CheckpointError(f"{folder}: {name} is {tensor.dtype} in the checkpoint but the model "
                                   f"expects {entry.dtype}")
     return list(pairs.values())

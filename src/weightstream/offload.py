@@ -17,7 +17,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from . import ops, replay
+from . import kinds, ops, replay, subclass
 from .blocks import find_blocks
 from .cost import ModelCost, largest
 from .disk import DiskTier
@@ -56,15 +56,59 @@ class Entry:
     tensor: torch.Tensor
     sites: list[TensorSite]
     owner: int | None  # block index when only that block refers to it, else None (stays resident)
+    name: str = ""  # qualified name of its first site, for messages
 
     def __post_init__(self) -> None:
         self.shape = tuple(self.tensor.shape)
         self.dtype = self.tensor.dtype
-        self.nbytes = self.tensor.numel() * self.tensor.element_size()
+        # a wrapper subclass (torchao) is stored as its inner tensors' bytes (subclass.py); None: plain
+        self.flat = kinds.check(self.tensor, self.name or "a tensor")
+        self.nbytes = self.flat.nbytes if self.flat else self.tensor.numel() * self.tensor.element_size()
+        self.bf16_bytes = kinds.bf16_bytes(self.tensor, self.nbytes)  # what a bf16 GEMM would read
 
     def view_of(self, raw: torch.Tensor) -> torch.Tensor:
-        """View `raw` (uint8 bytes of exactly this tensor) as this tensor's dtype and shape."""
-        return raw.view(self.dtype).view(self.shape)
+        """View `raw` (uint8 bytes of exactly this tensor) as this tensor: its dtype and shape, or its
+        subclass rebuilt over views of `raw`."""
+        if self.flat:
+            return self.flat.view_of(raw)
+        return kinds.with_class_of(self.tensor, raw.view(self.dtype).view(self.shape))
+
+    def empty(self, device: torch.device) -> torch.Tensor:
+        """A new uninitialized tensor like this one on `device`."""
+        if self.flat:
+            return self.flat.empty(device)
+        return kinds.with_class_of(self.tensor, torch.empty(self.shape, dtype=self.dtype, device=device))
+
+    def own(self) -> torch.Tensor:
+        """This tensor as its own final place (it stays where it is)."""
+        return self.tensor if self.flat else self.tensor.detach()
+
+    def is_at(self, place: torch.Tensor) -> bool:
+        """True when `place` is this tensor's own memory (nothing to copy)."""
+        if self.flat:
+            return place is self.tensor
+        return place.device == self.tensor.device and place.data_ptr() == self.tensor.data_ptr()
+
+    def copy_to(self, place: torch.Tensor) -> None:
+        """Copy this tensor's values into `place` (one of `view_of` / `empty`), inner tensors included."""
+        if self.flat:
+            subclass.copy_leaves(place, self.tensor)
+        else:
+            place.copy_(self.tensor.detach())
+
+    def copy_of(self, raw: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """This tensor rebuilt from its bytes `raw` into new memory on `device`."""
+        if self.flat:
+            return self.flat.copy_of(raw, device)
+        return self.view_of(raw).to(device, copy=True)
+
+    def moved(self, device: torch.device) -> torch.Tensor:
+        """A copy of this tensor on `device`."""
+        if not self.flat:
+            return self.tensor.to(device)
+        place = self.empty(device)
+        self.copy_to(place)
+        return place
 
 
 @dataclass(frozen=True)
@@ -109,7 +153,7 @@ def _collect(model: nn.Module, blocks: list[nn.Module]) -> list[Entry]:
         for module in block.modules():
             block_of[id(module)] = i
     entries: dict[int, Entry] = {}
-    for module in model.modules():
+    for module_name, module in model.named_modules():
         owner = block_of.get(id(module))
         tensors = [(n, t, True) for n, t in module._parameters.items()]
         tensors += [(n, t, False) for n, t in module._buffers.items()]
@@ -120,7 +164,8 @@ def _collect(model: nn.Module, blocks: list[nn.Module]) -> list[Entry]:
             entry = entries.get(id(tensor))
             if entry is None:
                 streamable = owner is not None and site.persistent
-                entries[id(tensor)] = Entry(tensor, [site], owner if streamable else None)
+                qualified = f"{module_name}.{name}" if module_name else name
+                entries[id(tensor)] = Entry(tensor, [site], owner if streamable else None, qualified)
             else:
                 entry.sites.append(site)
                 if entry.owner != owner:
@@ -335,12 +380,11 @@ class OffloadHandle:
                 region = self._transfer.disk.load(g)
             for entry, sl in group:
                 raw = region[sl.offset : sl.offset + sl.nbytes]
-                value = entry.view_of(raw).to(target, copy=True)
-                _set_tensor(entry, value)
+                _set_tensor(entry, entry.copy_of(raw, target))
         off_device = {id(e) for g in self._groups + self._uva_groups for e, _ in g}
         for entry in self._entries:
             if id(entry) not in off_device and entry.tensor.device != target:
-                _set_tensor(entry, entry.tensor.to(target))
+                _set_tensor(entry, entry.moved(target))
         self._slots.clear()
         self._arena.close()
         ops.unregister(self.engine_id)
@@ -355,8 +399,11 @@ class OffloadHandle:
 
 def _set_tensor(entry: Entry, value: torch.Tensor) -> None:
     """Point every site of `entry` at `value` (parameters keep their identity, except meta ones, which
-    are replaced at every site by one new parameter)."""
-    if isinstance(entry.tensor, nn.Parameter) and not entry.tensor.is_meta:
+    are replaced at every site by one new parameter, as are wrapper subclasses: their inner tensors
+    are Python attributes, which `.data =` would not move)."""
+    if entry.flat is not None and value is entry.tensor:
+        return
+    if isinstance(entry.tensor, nn.Parameter) and not entry.tensor.is_meta and entry.flat is None:
         entry.tensor.data = value
         return
     if isinstance(entry.tensor, nn.Parameter):
@@ -480,8 +527,11 @@ def model_cost(entries: list[Entry], per_block: list[list[Entry]], slot_bytes: l
     experts, top_k = routing
     routed = tuple(sum(e.nbytes for e in group if len(e.shape) == 3 and e.shape[0] == experts)
                    for group in per_block) if experts else ()
+    quant = tuple(sum(e.nbytes for e in group if e.bf16_bytes != e.nbytes) for group in per_block)
+    quant_bf16 = tuple(sum(e.bf16_bytes for e in group if e.bf16_bytes != e.nbytes) for group in per_block)
     return ModelCost(sum(outside), max(outside, default=0), block_bytes, tuple(slot_bytes), width,
-                     tensor_bytes, routed if any(routed) else (), experts, top_k)
+                     tensor_bytes, routed if any(routed) else (), experts, top_k,
+                     quant if any(quant) else (), quant_bf16 if any(quant) else ())
 
 
 def expert_routing(model: nn.Module) -> tuple[int, int]:
@@ -582,9 +632,9 @@ def final_places(
         if id(entry) in off_device:
             continue
         if keep_on_device and entry.tensor.device == prep.device:
-            places[id(entry)] = entry.tensor.detach()
+            places[id(entry)] = entry.own()
         else:
-            places[id(entry)] = torch.empty(entry.shape, dtype=entry.dtype, device=prep.device)
+            places[id(entry)] = entry.empty(prep.device)
     return places
 
 
@@ -668,9 +718,9 @@ def offload(
     # holds more than it did before; then the resident ones that must move to the device.
     for entry in sorted(prep.entries, key=lambda e: id(e) not in streamed):
         target = places[id(entry)]
-        if target.device == entry.tensor.device and target.data_ptr() == entry.tensor.data_ptr():
+        if entry.is_at(target):
             continue  # already in its final place
-        target.copy_(entry.tensor.detach())
+        entry.copy_to(target)
         if id(entry) in streamed:
             _set_tensor(entry, torch.empty(0, dtype=entry.dtype))
     return finish(prep, arena, places, pin=pin)

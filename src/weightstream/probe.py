@@ -39,6 +39,9 @@ class MachineProfile:
     uva: dict[int, float]
     # tokens -> seconds per block per unit of activation width, beyond its GEMM time ({}: none known)
     block_extra: dict[int, float] = field(default_factory=dict)
+    # tokens -> a dequantizing GEMM's time (fp8 weight with block scales, dequantized then multiplied)
+    # over the bf16 GEMM of the same weights ({}: DEQUANT_DEFAULT)
+    dequant: dict[int, float] = field(default_factory=dict)
 
     @property
     def h2d_GBps(self) -> float:
@@ -60,16 +63,31 @@ class MachineProfile:
         """Seconds a block of activation width `width` (hidden size) spends outside its GEMMs."""
         return width * _interpolate(self.block_extra, tokens) if self.block_extra and width else 0.0
 
+    def dequant_ratio(self, tokens: int) -> float:
+        """A dequantizing GEMM's time over a bf16 GEMM's of the same weights at `tokens` tokens."""
+        points = sorted((self.dequant or DEQUANT_DEFAULT).items())
+        tokens = min(max(tokens, points[0][0]), points[-1][0])  # a ratio: held flat past the ends
+        for (m0, v0), (m1, v1) in zip(points, points[1:], strict=False):
+            if m0 <= tokens <= m1:
+                return v0 + (math.log(tokens) - math.log(m0)) / (math.log(m1) - math.log(m0)) * (v1 - v0)
+        return points[0][1]
+
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
 
     @classmethod
     def from_json(cls, text: str) -> MachineProfile:
         data = json.loads(text)
-        for key in ("resident", "uva", "block_extra"):
+        for key in ("resident", "uva", "block_extra", "dequant"):
             data[key] = {int(m): v for m, v in data.get(key, {}).items()}
         data.pop("block_overhead_s", None)  # an earlier format's field, always 0
         return cls(**data)
+
+
+# Where no GPU measured it: an fp8 weight dequantized into bf16 then multiplied moves 1 + 2 + 2 bytes a
+# weight where the bf16 GEMM reads 2 (x2.5, memory bound at few tokens); at 2048 tokens the GEMM is
+# compute bound and the dequantize is one extra weight-sized elementwise pass (x1.13 on an H200's rates).
+DEQUANT_DEFAULT = {1: 2.5, 64: 2.5, 2048: 1.13}
 
 
 def _interpolate(table: dict[int, float], tokens: int) -> float:
@@ -129,9 +147,28 @@ def measure(device: torch.device | str = "cuda", progress: bool = True) -> Machi
         if progress:
             print(f"  M={m:5d}: resident {1e-9 / resident[m]:8.1f} GB/s of weights, zero copy "
                   f"{1e-9 / uva[m]:6.1f} GB/s", flush=True)
+    dequant = dequant_ratios(weight, resident, progress)
     profile = MachineProfile(torch.cuda.get_device_name(device), copy_s_per_byte, resident, uva)
     extra = block_extra(profile, device, progress)
-    return MachineProfile(profile.gpu, copy_s_per_byte, resident, uva, extra)
+    return MachineProfile(profile.gpu, copy_s_per_byte, resident, uva, extra, dequant)
+
+
+def dequant_ratios(weight: torch.Tensor, resident: dict[int, float],
+                   progress: bool = False) -> dict[int, float]:
+    """At each M in TOKENS: the time of `weight` (bf16, on the GPU) quantized to fp8 with 128x128 block
+    scales, dequantized and multiplied (fp8.Fp8Linear's forward), over `resident`'s bf16 GEMM time."""
+    from .fp8 import dequantize, quantize
+
+    q, scale = quantize(weight, (128, 128))
+    n, k = weight.shape
+    ratios = {}
+    for m in TOKENS:
+        x = torch.randn(m, k, device=weight.device, dtype=torch.bfloat16)
+        ms = _time_ms(lambda x=x: x @ dequantize(q, scale, (128, 128), torch.bfloat16).t())
+        ratios[m] = ms / (resident[m] * n * k * 2 * 1e3)
+        if progress:
+            print(f"  M={m:5d}: fp8 dequantizing GEMM {ratios[m]:5.2f}x the bf16 GEMM", flush=True)
+    return ratios
 
 
 # The reference block: Llama-3-8B's decoder layer (width 4096, 32 query and 8 key/value heads of 128,
