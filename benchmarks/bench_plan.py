@@ -82,7 +82,7 @@ def main() -> None:
                          "strategy": strategy}
                 try:
                     handle = ws.offload(model, gpu_memory=budget, strategy=strategy, tokens=tokens,
-                                        device=device)
+                                        device=device, profile=profile)
                 except ws.BudgetError as err:
                     point["error"] = str(err)
                     doc["points"].append(point)
@@ -90,7 +90,7 @@ def main() -> None:
                     continue
                 pl = handle.placement
                 key = (pl.streamed, pl.n_slots, pl.uva, pl.part)
-                point.update(placement=pl.strategy, streamed=len(pl.streamed), slots=pl.n_slots,
+                point.update(placement=pl.kind, streamed=len(pl.streamed), slots=pl.n_slots,
                              part=pl.part, uva=len(pl.uva), predicted_ms=pl.prediction.ms,
                              bound=pl.prediction.bound)
                 if key in measured_for:  # the same placement as a strategy measured just before
@@ -109,7 +109,7 @@ def main() -> None:
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
                 doc["points"].append(point)
-                log(f"{fraction:.0%} {phase:7s} {strategy:6s} -> {pl.strategy:8s} "
+                log(f"{fraction:.0%} {phase:7s} {strategy:6s} -> {pl.kind:8s} "
                     f"{len(pl.streamed):2d} streamed/{pl.n_slots} slots (part {pl.part}), "
                     f"{len(pl.uva):2d} uva: "
                     f"{point['median_ms']:8.2f} ms, predicted "

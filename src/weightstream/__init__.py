@@ -6,16 +6,29 @@
     handle.restore()
 """
 
-from .checkpoint import CheckpointError
-from .errors import BudgetError, OffloadStateError, PinnedMemoryError, WeightstreamError
+from .errors import (
+    ArgumentError,
+    BudgetError,
+    CheckpointError,
+    InferenceOnlyError,
+    OffloadStateError,
+    PinnedMemoryError,
+    WeightstreamError,
+)
 from .hf import from_pretrained
 from .offload import OffloadHandle, OffloadStats, handle_of, offload
 from .plan import Placement
+from .probe import H200 as REFERENCE_PROFILE
+from .probe import MachineProfile
 from .sizes import format_size, parse_size
 
 __all__ = [
+    "REFERENCE_PROFILE",
+    "ArgumentError",
     "BudgetError",
     "CheckpointError",
+    "InferenceOnlyError",
+    "MachineProfile",
     "OffloadHandle",
     "OffloadStateError",
     "OffloadStats",

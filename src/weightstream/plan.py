@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .cost import ModelCost, Prediction, predict
-from .errors import BudgetError
+from .errors import ArgumentError, BudgetError
 from .probe import MachineProfile
 from .sizes import format_size
 
@@ -31,17 +31,21 @@ class Placement:
     `streamed` lists the streamed blocks in forward order; each is one group, and group i (its
     position in `streamed`) is staged in slot i % n_slots. With `part` > 0 only each streamed block's
     `part` largest tensors stream and the rest of it stays resident. `uva` lists the zero-copy blocks.
+    `offloaded_bytes` are the bytes kept off the GPU: those that stream through the slots plus the
+    zero-copy ones (`uva_bytes`). `requested_strategy` is what was asked for ("auto", "stream",
+    "uva"); `kind` is what the placement turned out to be.
     """
 
     streamed: tuple[int, ...]
     n_slots: int
     slot_bytes: int
     resident_bytes: int
-    streamed_bytes: int
+    offloaded_bytes: int
     uva: tuple[int, ...] = ()
     uva_bytes: int = 0
     prediction: Prediction | None = None
     part: int = 0  # each streamed block streams its `part` largest tensors (cost.largest); 0: all of it
+    requested_strategy: str = "auto"
 
     @property
     def staging_bytes(self) -> int:
@@ -54,10 +58,23 @@ class Placement:
         return self.resident_bytes + self.staging_bytes
 
     @property
-    def strategy(self) -> str:
+    def streamed_bytes(self) -> int:
+        """Bytes that stream through the staging slots (the offloaded bytes less the zero-copy ones)."""
+        return self.offloaded_bytes - self.uva_bytes
+
+    @property
+    def kind(self) -> str:
         """"resident", "stream", "uva" or "mix": what the placement does with the blocks off the GPU."""
         return {(False, False): "resident", (True, False): "stream", (False, True): "uva"}.get(
             (bool(self.streamed), bool(self.uva)), "mix")
+
+
+def host_need(model: ModelCost, streamed: tuple[int, ...], uva: tuple[int, ...], part: int = 0) -> int:
+    """Host bytes a placement needs at the least: its zero-copy blocks (read in place, so in host
+    memory), plus every streamed group or, when some of them stay on disk, two bounce buffers of the
+    largest streamed group."""
+    groups = [model.staging(i, part) for i in streamed]
+    return sum(model.staging(i) for i in uva) + min(sum(groups), 2 * max(groups, default=0))
 
 
 def spread(n: int, k: int) -> tuple[int, ...]:
@@ -93,15 +110,19 @@ def plan(
     profile: MachineProfile | None = None,
     strategy: str = "auto",
     max_slots: int = 2,
+    host_bytes: int | None = None,
 ) -> Placement:
     """The fastest placement of `model` whose weights fit in `budget` bytes of GPU memory.
 
     tokens: tokens per forward to optimize for (1 for batch-1 decode, 2048 for such a prefill).
     strategy: "stream" (resident or streamed blocks), "uva" (resident or zero-copy blocks) or "auto"
         (either, or a mix, whichever the cost model predicts fastest).
+    host_bytes: host memory for the offloaded weights (None: no limit). A placement is kept only when
+        host memory holds its zero-copy blocks plus either every streamed group or, with the rest left
+        on disk (`from_pretrained`'s disk tier), two bounce buffers of the largest streamed group.
     """
     if strategy not in STRATEGIES:
-        raise ValueError(f"strategy={strategy!r}: choose one of {', '.join(STRATEGIES)}")
+        raise ArgumentError(f"strategy={strategy!r}: choose one of {', '.join(STRATEGIES)}")
     if profile is None:
         from .probe import H200 as profile
     n, sizes = len(model.block_bytes), model.block_bytes
@@ -115,13 +136,26 @@ def plan(
         slot = max((model.staging(i, part) for i in streamed), default=0)
         if resident + n_slots * slot > budget:
             continue
+        if host_bytes is not None and host_need(model, streamed, uva, part) > host_bytes:
+            continue
         prediction = predict(model, streamed, n_slots, uva, tokens, profile, part)
         if best is None or prediction.ms < best.prediction.ms:
             uva_bytes = sum(sizes[i] for i in uva)
             best = Placement(streamed, n_slots, slot, resident, total - resident, uva, uva_bytes, prediction,
-                             part)
+                             part, strategy)
     if best is not None:
         return best
+    if host_bytes is not None:
+        gpu_only = plan(model, budget, tokens, profile, strategy, max_slots)  # raises if the GPU is the limit
+        need = host_need(model, gpu_only.streamed, gpu_only.uva, gpu_only.part)
+        raise BudgetError(
+            f"cpu_memory={format_size(host_bytes)} cannot hold what the {format_size(budget)} GPU budget "
+            f"leaves off the GPU ({gpu_only.kind}: {format_size(need)} of host memory needed"
+            + (", zero-copy blocks included" if gpu_only.uva else "")
+            + "): give more cpu_memory or gpu_memory"
+            + (", or strategy='stream' (which can leave groups on disk)" if strategy == "uva" else ""),
+            need,
+        )
     largest = max((model.staging(i) for i in range(n)), default=0)
     minimum = model.fixed_bytes + (0 if strategy != "stream" else largest)
     raise BudgetError(

@@ -292,7 +292,7 @@ def _ws_prepare(strategy: str) -> Prepare:
 def _placement(handle: OffloadHandle) -> str:
     p = handle.placement
     part = f" (each block's {p.part} largest tensors)" if p.part else ""
-    return f"{p.strategy}: {len(p.streamed)} streamed{part} / {p.n_slots} slots, {len(p.uva)} zero copy"
+    return f"{p.kind}: {len(p.streamed)} streamed{part} / {p.n_slots} slots, {len(p.uva)} zero copy"
 
 
 def prepare_accelerate_cpu_offload(model: nn.Module, budget: int | None, tokens: int, device: torch.device):
