@@ -100,7 +100,7 @@ def config_dtype(config, dtype: torch.dtype | str | None = None) -> torch.dtype:
     """The dtype a model is built in: `dtype` when given, else the config's, else float32."""
     if dtype is not None:
         return parse_dtype(dtype)
-    stored = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    stored = config.dtype if hasattr(config, "dtype") else getattr(config, "torch_dtype", None)
     try:
         return parse_dtype(stored) if stored is not None else torch.float32
     except ValueError:
