@@ -30,7 +30,8 @@ def test_load_is_exact_and_never_puts_the_whole_model_on_the_gpu(folder):
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    model = ws.from_pretrained(folder, gpu_memory=total // 2, progress=False, strategy="stream")
+    model = ws.from_pretrained(folder, gpu_memory=total // 2, progress=False, strategy="stream",
+                               profile=ws.REFERENCE_PROFILE)
     stats = ws.handle_of(model).stats
     peak = torch.cuda.max_memory_allocated() - base
     assert stats.groups >= 2 and stats.pinned_bytes >= stats.streamed_bytes
@@ -56,7 +57,7 @@ def test_a_failure_mid_load_leaves_nothing_allocated(folder, monkeypatch):
     original = hf.read_into
     monkeypatch.setattr(hf, "read_into", failing_read)
     with pytest.raises(OSError, match="disk gone"):
-        ws.from_pretrained(folder, gpu_memory="300KB", progress=False)
+        ws.from_pretrained(folder, gpu_memory="300KB", progress=False, profile=ws.REFERENCE_PROFILE)
     gc.collect()
     assert torch.cuda.memory_allocated() == base
 
@@ -64,7 +65,7 @@ def test_a_failure_mid_load_leaves_nothing_allocated(folder, monkeypatch):
 def test_disk_tier_on_the_gpu_is_exact_and_refuses_graph_capture(folder):
     reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval().cuda()
     budget = weight_bytes(reference) // 2
-    load = dict(gpu_memory=budget, progress=False, strategy="stream")
+    load = dict(gpu_memory=budget, progress=False, strategy="stream", profile=ws.REFERENCE_PROFILE)
     plain = ws.handle_of(ws.from_pretrained(folder, **load)).stats
     group = plain.staging_bytes // plain.slots
     model = ws.from_pretrained(folder, cpu_memory=3 * group + group // 2, **load)

@@ -110,6 +110,13 @@ class ModelGuards:
             module.training = training
 
 
+def live_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """The parameters of `module` as its forward reads them: for an offloaded model the streamed ones
+    are the staging-slot views, whose contents are not the weights between forwards. For tests and
+    tools that inspect the engine; `parameters()` gives the true weights."""
+    return [p for _, p in nn.Module.named_parameters(module)]
+
+
 def _guarded_train(self, mode: bool = True):
     if mode:
         raise InferenceOnlyError(INFERENCE_ONLY.format(what="train()"))

@@ -148,11 +148,12 @@ def plan(
     if host_bytes is not None:
         gpu_only = plan(model, budget, tokens, profile, strategy, max_slots)  # raises if the GPU is the limit
         need = host_need(model, gpu_only.streamed, gpu_only.uva, gpu_only.part)
+        held = [what for what, there in (("the zero-copy blocks", gpu_only.uva), (
+            "two bounce buffers of the largest streamed group (the disk tier)", gpu_only.streamed)) if there]
         raise BudgetError(
             f"cpu_memory={format_size(host_bytes)} cannot hold what the {format_size(budget)} GPU budget "
-            f"leaves off the GPU ({gpu_only.kind}: {format_size(need)} of host memory needed"
-            + (", zero-copy blocks included" if gpu_only.uva else "")
-            + "): give more cpu_memory or gpu_memory"
+            f"leaves off the GPU: {' plus '.join(held)}, at least {format_size(need)} ({need} bytes). Give "
+            "more cpu_memory or gpu_memory"
             + (", or strategy='stream' (which can leave groups on disk)" if strategy == "uva" else ""),
             need,
         )
