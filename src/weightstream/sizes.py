@@ -30,8 +30,8 @@ def parse_size(size: int | str) -> int:
     if isinstance(size, bool):
         raise ArgumentError(f"size must be an int of bytes or a string like '6GiB', got {size!r}")
     if isinstance(size, int):
-        if size < 0:
-            raise ArgumentError(f"size must not be negative, got {size}: give a number of bytes, 0 or more")
+        if not 0 <= size < 2**63:
+            raise ArgumentError(f"size {size} is out of range: give a number of bytes from 0 to 2**63 - 1")
         return size
     if isinstance(size, str):
         match = _SIZE.match(size)
