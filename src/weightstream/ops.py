@@ -5,8 +5,10 @@ stream and event calls) and must stay in place relative to the block's compute. 
 block's hidden state and returns a copy of it, so everything in the block depends on `wait` and
 `release` depends on everything in the block: the compiler cannot move weight reads across them.
 Declaring the streamed WEIGHTS as mutated instead gives wrong outputs (functionalization clones the
-aliased slot views) and breaks CUDA-graph capture (see DESIGN.md). The ops only enqueue GPU work
-(event waits and async copies), so a CUDA graph captures the whole schedule and replays it alone.
+aliased slot views) and breaks CUDA-graph capture (measured on an H200: docs/architecture.md, "The
+schedule"). The ops only enqueue GPU work (event waits and async copies), so a CUDA graph captures the
+whole schedule and replays it alone. Their autograd rule, registered in guards.py, refuses: an
+offloaded model is for inference only.
 
 Engines are found by an integer id, so two offloaded models in one process stay independent.
 """
