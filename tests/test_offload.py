@@ -330,5 +330,5 @@ def test_a_compiled_forward_after_restore_says_what_to_do():
     handle = toy_streaming_all(model)
     engine_id = handle.engine_id
     handle.restore()
-    with pytest.raises(RuntimeError, match="compile or capture the model again"):
+    with pytest.raises(ws.OffloadStateError, match="compile or capture the model again"):
         ws.ops.wait(torch.ones(2), engine_id, 0)

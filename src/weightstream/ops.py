@@ -21,6 +21,8 @@ from typing import Protocol
 
 import torch
 
+from .errors import OffloadStateError
+
 
 class _Engine(Protocol):
     def wait(self, group: int) -> None: ...
@@ -48,7 +50,7 @@ def _engine(engine_id: int) -> _Engine:
     try:
         return _ENGINES[engine_id]
     except KeyError:
-        raise RuntimeError(
+        raise OffloadStateError(
             f"weightstream engine {engine_id} is gone (handle.restore() was called, or the offloaded "
             "model was deleted): this compiled or captured forward still refers to it; compile or "
             "capture the model again"
