@@ -83,3 +83,19 @@ def test_disk_tier_on_the_gpu_is_exact_and_refuses_graph_capture(folder):
     graph, ids = torch.cuda.CUDAGraph(), ids_for()
     with pytest.raises(ws.WeightstreamError, match="disk"), torch.no_grad(), torch.cuda.graph(graph):
         model(ids, use_cache=False)
+
+
+def test_auto_keeps_to_cpu_memory_and_is_exact(folder):
+    """auto with a host budget smaller than what it would read in place: it streams, part from disk."""
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval().cuda()
+    total = weight_bytes(reference)
+    load = dict(gpu_memory=total // 2, progress=False, profile=ws.REFERENCE_PROFILE)
+    free = ws.handle_of(ws.from_pretrained(folder, **load)).stats
+    cpu_memory = int(total * 0.4)
+    model = ws.from_pretrained(folder, cpu_memory=cpu_memory, **load)
+    stats = ws.handle_of(model).stats
+    assert stats.uva_bytes <= cpu_memory and stats.pinned_bytes <= cpu_memory
+    assert free.uva_bytes <= cpu_memory or stats.placement_kind != free.placement_kind
+    with torch.no_grad():
+        for seed in range(2):
+            assert torch.equal(model(ids_for(seed)).logits, reference(ids_for(seed)).logits)

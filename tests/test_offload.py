@@ -332,3 +332,35 @@ def test_a_compiled_forward_after_restore_says_what_to_do():
     handle.restore()
     with pytest.raises(ws.OffloadStateError, match="compile or capture the model again"):
         ws.ops.wait(torch.ones(2), engine_id, 0)
+
+
+# --- the planner's inputs ---------------------------------------------------------------------------
+
+def test_a_given_profile_is_the_planners_only_machine_input(monkeypatch):
+    """With profile= the placement depends on the arguments alone: the machine's own profile is never
+    read (here it would raise), and the placement is the one the planner computes from that profile."""
+    import dataclasses
+    import importlib
+
+    from weightstream.plan import plan
+
+    offload_module = importlib.import_module("weightstream.offload")  # the module, not the function
+
+    def no_machine(*args, **kwargs):
+        raise AssertionError("the machine's profile was read")
+
+    monkeypatch.setattr(offload_module, "load_profile", no_machine)
+    # a machine whose link is 1000x slower than the H200's, for copies and zero-copy reads alike
+    ref = ws.REFERENCE_PROFILE
+    slow_link = dataclasses.replace(ref, copy_s_per_byte=ref.copy_s_per_byte * 1000,
+                                    uva={m: s * 1000 for m, s in ref.uva.items()})
+    budget = budget_for(toy_twin()[1], 0.6)
+    for profile in (ws.REFERENCE_PROFILE, slow_link):
+        _, model = toy_twin()
+        handle = ws.offload(model, gpu_memory=budget, device="cpu", profile=profile)
+        prep = offload_module.prepare(toy_twin()[1], budget, "cpu", profile=profile)
+        assert handle.placement == prep.placement == plan(prep.cost, budget, 1, profile)
+        handle.restore()
+    fast = offload_module.prepare(toy_twin()[1], budget, "cpu", profile=ws.REFERENCE_PROFILE).placement
+    slow = offload_module.prepare(toy_twin()[1], budget, "cpu", profile=slow_link).placement
+    assert fast.prediction.ms < slow.prediction.ms  # the profile is what the prediction is made from
