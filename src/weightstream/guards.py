@@ -4,10 +4,12 @@ A streamed tensor is a permanent view of a staging slot that several groups shar
 it holds whichever group was copied last. Without these guards `state_dict()` (and so `torch.save`,
 `save_pretrained`), `parameters()` and `deepcopy` would hand out slot contents without a word.
 So, on every module of an offloaded model:
-- `state_dict()` gives each streamed tensor's true bytes (a view of its host arena region, seen from
-  the device when it is a pinned CUDA arena; read from the checkpoint for a group on disk), and
-  `named_parameters()`/`parameters()`/`named_buffers()`/`buffers()` the same in place of the slot
-  views, except while torch.compile traces (the graph must read the slots);
+- `state_dict()` gives each tensor kept off the GPU (streamed or zero copy) as its true bytes: a CPU
+  view of its host arena region, or read from the checkpoint for a group on disk. Host tensors, not
+  zero-copy device views: those would dangle once `restore()` unpins the arena, and the arena's
+  memory itself lives as long as any view of it. `named_parameters()`/`parameters()`/
+  `named_buffers()`/`buffers()` give the same in place of the slot views, except while torch.compile
+  traces (the graph must read the slots);
 - `copy.deepcopy`, pickling (`torch.save(model)`) and `load_state_dict` refuse: they would copy or
   overwrite slots;
 - `train()` and `requires_grad_(True)` refuse, and so does autograd through the schedule ops (a weight
@@ -51,7 +53,7 @@ class ModelGuards:
             p.requires_grad_(False)
         model.eval()
         sites = {}
-        for entry, _, _ in self._streamed():
+        for entry, _, _ in self._off_gpu():
             for site in entry.sites:
                 sites.setdefault(id(site.module), (site.module, []))[1].append((site.name, entry))
         for module, names in sites.values():
@@ -61,33 +63,30 @@ class ModelGuards:
                 module.__dict__[name] = types.MethodType(method, module)  # past nn.Module.__setattr__
             module.__dict__["_ws_guards"] = self
 
-    def _streamed(self):
-        """(entry, group, slice) of every tensor that lives in a staging slot."""
-        for g, group in enumerate(self.handle._groups):
+    def _off_gpu(self):
+        """(entry, arena region, slice) of every tensor kept off the GPU: the streamed groups' (regions
+        0..), then the zero-copy groups' (after them, as in the arena)."""
+        for g, group in enumerate(self.handle._groups + self.handle._uva_groups):
             for entry, sl in group:
                 yield entry, g, sl
 
     def _true_tensors(self) -> dict[int, tuple]:
-        return {id(entry.tensor): (entry, g, sl) for entry, g, sl in self._streamed()}
+        return {id(entry.tensor): (entry, g, sl) for entry, g, sl in self._off_gpu()}
 
     def true_value(self, tensor: torch.Tensor) -> torch.Tensor:
-        """The true weights of `tensor` when it is a streamed (slot) tensor, else `tensor` itself."""
+        """The true weights of `tensor` as a CPU tensor when it is kept off the GPU (streamed or zero
+        copy), else `tensor` itself."""
         found = self._true.get(id(tensor))
         if found is None:
             return tensor
         entry, g, sl = found
         transfer = self.handle._transfer
-        if transfer.on_disk(g):
+        if g < len(self.handle._groups) and transfer.on_disk(g):
             stored = next(st for st, s in transfer.disk.groups[g] if s.offset == sl.offset)
             raw = torch.empty(sl.nbytes, dtype=torch.uint8)
             read_into(stored, raw)
             return entry.view_of(raw)
-        raw = self.handle._arena.region(g)[sl.offset : sl.offset + sl.nbytes]
-        if self.handle.device.type == "cuda" and raw.is_pinned():
-            from .uva import uva_view
-
-            raw = uva_view(raw, self.handle.device)
-        return entry.view_of(raw)
+        return entry.view_of(self.handle._arena.region(g)[sl.offset : sl.offset + sl.nbytes])
 
     def _state_dict_hook(self, names):
         def hook(module, state_dict, prefix, local_metadata):
