@@ -9,7 +9,7 @@ import time
 import torch
 
 from .errors import ArgumentError, BudgetError
-from .offload import _resolve_device, offload
+from .offload import _resolve_device, offload, prepare
 from .sizes import format_size
 
 # Built-in shapes: random weights, no download. "gpu" is ~2.2 GB in bf16, "cpu" ~14 MB in fp32.
@@ -78,6 +78,12 @@ def run_demo(device: str | None = None, fraction: float = 0.4, new_tokens: int =
     model = build_model(shape, dev, dtype)
     total = _weight_bytes(model)
     budget = int(total * fraction)
+    try:
+        prepare(model, budget, dev)  # plans only: a budget too small is refused before any generation
+    except BudgetError as err:
+        smallest = math.ceil(err.minimum_bytes / total * 100) / 100
+        raise BudgetError(f"--fraction {fraction} gives {format_size(budget)}, too little for this model: "
+                          f"give at least --fraction {smallest:.2f} ({err})", err.minimum_bytes) from None
     prompt = torch.randint(0, model.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(1))
     prompt = prompt.to(dev)
     print(f"model: Llama-shaped, {model.config.num_hidden_layers} layers, {format_size(total)} of weights "
@@ -86,12 +92,7 @@ def run_demo(device: str | None = None, fraction: float = 0.4, new_tokens: int =
     _generate(model, prompt, new_tokens, dev)  # warm-up: kernels, allocator, cuBLAS workspace
     reference, resident_s = _generate(model, prompt, new_tokens, dev)
     before = _gpu_memory(dev)
-    try:
-        handle = offload(model, gpu_memory=budget, device=dev)
-    except BudgetError as err:
-        smallest = math.ceil(err.minimum_bytes / total * 100) / 100
-        raise BudgetError(f"--fraction {fraction} gives {format_size(budget)}, too little for this model: "
-                          f"give at least --fraction {smallest:.2f} ({err})", err.minimum_bytes) from None
+    handle = offload(model, gpu_memory=budget, device=dev)
     after = _gpu_memory(dev)
     _generate(model, prompt, new_tokens, dev)  # warm-up
     tokens, offloaded_s = _generate(model, prompt, new_tokens, dev)
