@@ -98,7 +98,8 @@ def test_autograd_through_streamed_weights_is_refused():
         model(ids_for())
     with torch.no_grad():  # no autograd, no problem
         assert torch.equal(model(ids_for()).logits, ref(ids_for()).logits)
-    weight.requires_grad = False
+    model.requires_grad_(False)  # turns the live tensor's flag off too
+    assert not weight.requires_grad
     embeds = ref.model.embed_tokens(ids_for()).requires_grad_(True)  # gradients w.r.t. the input
     with pytest.raises(ws.InferenceOnlyError, match="inference only"):
         model(inputs_embeds=embeds)

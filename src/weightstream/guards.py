@@ -125,7 +125,9 @@ def _guarded_train(self, mode: bool = True):
 def _guarded_requires_grad(self, requires_grad: bool = True):
     if requires_grad:
         raise InferenceOnlyError(INFERENCE_ONLY.format(what="requires_grad_(True)"))
-    return nn.Module.requires_grad_(self, False)
+    for p in live_parameters(self):  # the live tensors, not the true-weight copies parameters() gives
+        p.requires_grad_(False)
+    return self
 
 
 def _true_members(self, members: Iterator[tuple[str, torch.Tensor]], is_param: bool):
