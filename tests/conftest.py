@@ -59,6 +59,24 @@ def state_copy(model) -> dict:
 
 
 @pytest.fixture
+def checkpoint(tmp_path):
+    """A tiny Llama checkpoint folder with a word-level tokenizer over 128 tokens and a chat template:
+    (folder, tokenizer)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(127)} | {"[UNK]": 127}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="[UNK]", eos_token="w0",
+                                        pad_token="w0")
+    tokenizer.chat_template = "{% for m in messages %}w1 {{ m['content'] }} w2{% endfor %}"
+    tokenizer.save_pretrained(tmp_path)
+    make_model("llama").save_pretrained(tmp_path, max_shard_size="60KB")
+    return tmp_path, tokenizer
+
+
+@pytest.fixture
 def twin():
     """Return (reference, copy) of a tiny model: the copy gets offloaded, the reference stays resident."""
 

@@ -2,28 +2,11 @@
 
 from __future__ import annotations
 
-import pytest
 import torch
-from conftest import make_model
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM
 
 from weightstream.cli import main
 from weightstream.generate import generate_text
-
-
-@pytest.fixture
-def checkpoint(tmp_path):
-    """A tiny Llama with a word-level tokenizer over 128 tokens and a chat template."""
-    vocab = {f"w{i}": i for i in range(127)} | {"[UNK]": 127}
-    core = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    core.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="[UNK]", eos_token="w0",
-                                        pad_token="w0")
-    tokenizer.chat_template = "{% for m in messages %}w1 {{ m['content'] }} w2{% endfor %}"
-    tokenizer.save_pretrained(tmp_path)
-    make_model("llama").save_pretrained(tmp_path, max_shard_size="60KB")
-    return tmp_path, tokenizer
 
 
 def expected_text(folder, tokenizer, prompt_ids, n):
@@ -58,14 +41,14 @@ def test_chat_template_and_compiled_static_cache(checkpoint, capsys):
 
 def test_generate_reports_bad_folders_without_a_traceback(checkpoint, tmp_path, capsys):
     args = ["--prompt", "w1", "--gpu-memory", "1GB", "--device", "cpu"]
-    assert main(["generate", str(tmp_path / "nothing"), *args]) == 1
+    assert main(["generate", str(tmp_path / "nothing"), *args]) == 2
     assert "is not a folder" in capsys.readouterr().err
     empty = tmp_path / "empty"
     empty.mkdir()
-    assert main(["generate", str(empty), *args]) == 1
+    assert main(["generate", str(empty), *args]) == 2
     assert "no config.json" in capsys.readouterr().err
     folder, _ = checkpoint
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (folder / name).unlink()
-    assert main(["generate", str(folder), *args]) == 1
+    assert main(["generate", str(folder), *args]) == 2
     assert "no usable tokenizer" in capsys.readouterr().err

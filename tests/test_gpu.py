@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 import gc
-import sys
 import warnings
 
 import pytest
@@ -17,6 +16,7 @@ from test_offload import Toy
 
 import weightstream as ws
 from weightstream.blocks import find_blocks
+from weightstream.guards import live_parameters
 from weightstream.offload import prepare
 from weightstream.plan import placement_of
 from weightstream.probe import H200
@@ -65,7 +65,7 @@ def test_eager_exact_and_streamed_bytes_leave_the_gpu(arch):
     ref, model = twins(arch)
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
-    handle = ws.offload(model, gpu_memory=streaming_all_budget(model), strategy="stream")
+    handle = ws.offload(model, gpu_memory=streaming_all_budget(model), strategy="stream", profile=H200)
     stats = handle.stats
     assert stats.groups >= 2  # streams most blocks (the planner picks the slot count)
     freed = before - torch.cuda.memory_allocated()
@@ -80,7 +80,7 @@ def test_eager_exact_and_streamed_bytes_leave_the_gpu(arch):
 
 def test_compiled_fullgraph_exact(eager_rounding):
     ref, model = twins()
-    ws.offload(model, gpu_memory=streaming_all_budget(model), strategy="stream")
+    ws.offload(model, gpu_memory=streaming_all_budget(model), strategy="stream", profile=H200)
     torch._dynamo.utils.counters.clear()
     cref, cmodel = torch.compile(ref, fullgraph=True), torch.compile(model, fullgraph=True)
     with torch.no_grad():
@@ -134,7 +134,7 @@ def test_manual_cuda_graph_replay_is_exact_and_self_contained(compiled, n_slots,
 
 def test_reduce_overhead_is_exact(eager_rounding):
     ref, model = twins()
-    ws.offload(model, gpu_memory=streaming_all_budget(model), strategy="stream")
+    ws.offload(model, gpu_memory=streaming_all_budget(model), strategy="stream", profile=H200)
     cref = torch.compile(ref, fullgraph=True, mode="reduce-overhead")
     cmodel = torch.compile(model, fullgraph=True, mode="reduce-overhead")
     with torch.no_grad():
@@ -151,7 +151,7 @@ def test_generate_same_tokens_and_restore():
         model(ids_for())  # cuBLAS allocates its workspace on the first matmul: keep it out of the count
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
-    handle = ws.offload(model, gpu_memory=streaming_all_budget(model), strategy="stream")
+    handle = ws.offload(model, gpu_memory=streaming_all_budget(model), strategy="stream", profile=H200)
     kwargs = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
     assert torch.equal(model.generate(ids_for(1, 1), **kwargs), ref.generate(ids_for(1, 1), **kwargs))
     handle.restore()
@@ -165,8 +165,8 @@ def test_unexpected_orders_and_two_models_on_gpu():
     ref_a = Toy(n=6, dim=256).eval().requires_grad_(False).cuda()
     ref_b = Toy(n=6, dim=256).eval().requires_grad_(False).cuda()
     a, b = copy.deepcopy(ref_a), copy.deepcopy(ref_b)
-    ws.offload(a, gpu_memory=800_000, strategy="stream")
-    ws.offload(b, gpu_memory=800_000, strategy="stream")
+    ws.offload(a, gpu_memory=800_000, strategy="stream", profile=H200)
+    ws.offload(b, gpu_memory=800_000, strategy="stream", profile=H200)
     x = torch.randn(8, 256, device="cuda")
     with torch.no_grad(), pytest.warns(UserWarning, match="out of the learned order"):
         for order in ([0, 1, 2, 2, 3, 4, 5], [5, 3, 1], list(range(6)), [0, 0, 4]):
@@ -177,7 +177,8 @@ def test_unexpected_orders_and_two_models_on_gpu():
 
 def test_pageable_memory_works_eagerly_and_refuses_graph_capture():
     ref, model = twins()
-    handle = ws.offload(model, gpu_memory=streaming_all_budget(model), pin_memory=False, strategy="stream")
+    handle = ws.offload(model, gpu_memory=streaming_all_budget(model), pin_memory=False, strategy="stream",
+                        profile=H200)
     assert handle.stats.pinned_bytes == 0
     with torch.no_grad():
         assert torch.equal(model(ids_for()).logits, ref(ids_for()).logits)
@@ -205,7 +206,7 @@ def test_zero_copy_and_auto_are_exact_eager_compiled_and_in_a_graph(strategy, ea
     ref, model = twins()
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
-    handle = ws.offload(model, gpu_memory=streaming_all_budget(model), strategy=strategy)
+    handle = ws.offload(model, gpu_memory=streaming_all_budget(model), strategy=strategy, profile=H200)
     stats = handle.stats
     assert stats.uva_bytes > 0 or strategy == "auto"
     freed = before - torch.cuda.memory_allocated()
@@ -222,7 +223,8 @@ def part_placement_budget(model) -> int:
     for percent in range(30, 96, 5):
         budget = weight_bytes(model) * percent // 100
         try:
-            if prepare(model, budget, next(model.parameters()).device, strategy="stream").placement.part:
+            if prepare(model, budget, next(model.parameters()).device, strategy="stream",
+                       profile=H200).placement.part:
                 return budget
         except ws.BudgetError:  # below the smallest budget that streaming allows
             continue
@@ -230,17 +232,14 @@ def part_placement_budget(model) -> int:
 
 
 @pytest.mark.parametrize("arch", ["llama", "mixtral"])
-def test_streaming_part_of_each_block_is_exact_eager_compiled_and_in_a_graph(arch, eager_rounding,
-                                                                            monkeypatch):
+def test_streaming_part_of_each_block_is_exact_eager_compiled_and_in_a_graph(arch, eager_rounding):
     """Parameter-granular placement on the CUDA path: the streamed tensors leave the GPU, the rest of each
     block stays, and outputs are bit-identical eager, compiled (fullgraph) and replayed from a graph."""
-    # plan on the reference profile (as the CPU tests do) so the budget search finds the same placement
-    monkeypatch.setattr(sys.modules["weightstream.offload"], "load_profile", lambda device=None: H200)
     ref, model = twins(arch)
     budget = part_placement_budget(model)
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
-    handle = ws.offload(model, gpu_memory=budget, strategy="stream")
+    handle = ws.offload(model, gpu_memory=budget, strategy="stream", profile=H200)
     part, stats = handle.placement.part, handle.stats
     assert part and stats.groups >= 1
     freed = before - torch.cuda.memory_allocated()
@@ -248,9 +247,9 @@ def test_streaming_part_of_each_block_is_exact_eager_compiled_and_in_a_graph(arc
     assert abs(freed - (stats.streamed_bytes - stats.staging_bytes)) <= slack
     blocks, slots = dict(model.named_modules()), {s.untyped_storage().data_ptr() for s in handle._slots}
     for name in handle.streamed_blocks:
-        in_slots = [t.untyped_storage().data_ptr() in slots for t in blocks[name].parameters()]
+        in_slots = [t.untyped_storage().data_ptr() in slots for t in live_parameters(blocks[name])]
         assert sum(in_slots) == part  # exactly `part` tensors live in the slots, the rest stay resident
-        assert all(t.is_cuda for t in blocks[name].parameters())
+        assert all(t.is_cuda for t in live_parameters(blocks[name]))
     assert_exact_eager_compiled_and_in_a_graph(ref, model)
     handle.restore()
     assert all(p.is_cuda for p in model.parameters())

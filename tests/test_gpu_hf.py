@@ -30,7 +30,8 @@ def test_load_is_exact_and_never_puts_the_whole_model_on_the_gpu(folder):
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    model = ws.from_pretrained(folder, gpu_memory=total // 2, progress=False, strategy="stream")
+    model = ws.from_pretrained(folder, gpu_memory=total // 2, progress=False, strategy="stream",
+                               profile=ws.REFERENCE_PROFILE)
     stats = ws.handle_of(model).stats
     peak = torch.cuda.max_memory_allocated() - base
     assert stats.groups >= 2 and stats.pinned_bytes >= stats.streamed_bytes
@@ -56,7 +57,7 @@ def test_a_failure_mid_load_leaves_nothing_allocated(folder, monkeypatch):
     original = hf.read_into
     monkeypatch.setattr(hf, "read_into", failing_read)
     with pytest.raises(OSError, match="disk gone"):
-        ws.from_pretrained(folder, gpu_memory="300KB", progress=False)
+        ws.from_pretrained(folder, gpu_memory="300KB", progress=False, profile=ws.REFERENCE_PROFILE)
     gc.collect()
     assert torch.cuda.memory_allocated() == base
 
@@ -64,7 +65,7 @@ def test_a_failure_mid_load_leaves_nothing_allocated(folder, monkeypatch):
 def test_disk_tier_on_the_gpu_is_exact_and_refuses_graph_capture(folder):
     reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval().cuda()
     budget = weight_bytes(reference) // 2
-    load = dict(gpu_memory=budget, progress=False, strategy="stream")
+    load = dict(gpu_memory=budget, progress=False, strategy="stream", profile=ws.REFERENCE_PROFILE)
     plain = ws.handle_of(ws.from_pretrained(folder, **load)).stats
     group = plain.staging_bytes // plain.slots
     model = ws.from_pretrained(folder, cpu_memory=3 * group + group // 2, **load)
@@ -82,3 +83,19 @@ def test_disk_tier_on_the_gpu_is_exact_and_refuses_graph_capture(folder):
     graph, ids = torch.cuda.CUDAGraph(), ids_for()
     with pytest.raises(ws.WeightstreamError, match="disk"), torch.no_grad(), torch.cuda.graph(graph):
         model(ids, use_cache=False)
+
+
+def test_auto_keeps_to_cpu_memory_and_is_exact(folder):
+    """auto with a host budget smaller than what it would read in place: it streams, part from disk."""
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval().cuda()
+    total = weight_bytes(reference)
+    load = dict(gpu_memory=total // 2, progress=False, profile=ws.REFERENCE_PROFILE)
+    free = ws.handle_of(ws.from_pretrained(folder, **load)).stats
+    cpu_memory = int(total * 0.4)
+    model = ws.from_pretrained(folder, cpu_memory=cpu_memory, **load)
+    stats = ws.handle_of(model).stats
+    assert stats.uva_bytes <= cpu_memory and stats.pinned_bytes <= cpu_memory
+    assert free.uva_bytes <= cpu_memory or stats.placement_kind != free.placement_kind
+    with torch.no_grad():
+        for seed in range(2):
+            assert torch.equal(model(ids_for(seed)).logits, reference(ids_for(seed)).logits)

@@ -36,7 +36,7 @@ def test_loaded_model_equals_transformers_own_load(tmp_path, arch, fraction, str
     budget = int(weight_bytes(reference) * fraction)
     model = ws.from_pretrained(folder, gpu_memory=budget, device="cpu", progress=False, strategy=strategy)
     stats = ws.handle_of(model).stats
-    assert stats.streamed_bytes + stats.uva_bytes > 0 and stats.strategy != "resident"
+    assert stats.streamed_bytes + stats.uva_bytes > 0 and stats.placement_kind != "resident"
     assert (strategy != "stream" or stats.groups >= 1) and (strategy != "uva" or stats.uva_bytes > 0)
     with torch.no_grad():
         assert torch.equal(model(ids_for()).logits, reference(ids_for()).logits)
@@ -179,3 +179,85 @@ def test_disk_tier_refuses_a_dtype_change(tmp_path):
     with pytest.raises(ws.CheckpointError, match="dtype='float32'"):
         ws.from_pretrained(folder, gpu_memory="200KB", cpu_memory="100KB", dtype="bfloat16", device="cpu",
                            strategy="stream")
+
+
+# --- the model classes users load ----------------------------------------------------------------------
+
+def _seq2seq_and_encoders():
+    import transformers as tf
+
+    small = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                 num_attention_heads=4)
+    return {
+        "t5": lambda: tf.T5ForConditionalGeneration(tf.T5Config(vocab_size=128, d_model=64, d_kv=16, d_ff=96,
+                                                                num_layers=3, num_heads=4)),
+        "bert": lambda: tf.BertModel(tf.BertConfig(**small)),
+        "bert-mlm": lambda: tf.BertForMaskedLM(tf.BertConfig(**small)),
+    }
+
+
+@pytest.mark.parametrize("arch", ["t5", "bert", "bert-mlm"])
+def test_seq2seq_and_encoder_checkpoints_load_as_the_class_they_were_saved_from(tmp_path, arch):
+    torch.manual_seed(0)
+    saved = _seq2seq_and_encoders()[arch]().eval()
+    save(saved, tmp_path)
+    reference = type(saved).from_pretrained(tmp_path).eval()
+    model = ws.from_pretrained(tmp_path, gpu_memory=int(weight_bytes(reference) * 0.7), device="cpu",
+                               progress=False, strategy="stream")
+    assert type(model) is type(saved) and ws.handle_of(model).stats.groups >= 1
+    ids = ids_for()
+    with torch.no_grad():
+        if arch == "t5":
+            got, want = (m(input_ids=ids, decoder_input_ids=ids[:, :4]).logits for m in (model, reference))
+        else:
+            got, want = (m(ids)[0] for m in (model, reference))
+    assert torch.equal(got, want)
+
+
+def test_a_config_naming_a_class_transformers_lacks_says_what_loads(tmp_path):
+    folder = save(make_model("llama"), tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"architectures": ["LlamaForTelepathy"]}))
+    with pytest.raises(ws.CheckpointError, match="LlamaForTelepathy.*T5ForConditionalGeneration"):
+        ws.from_pretrained(folder, gpu_memory="1GB", device="cpu")
+
+
+# --- auto and the host budget; plan predicts the load ---------------------------------------------------
+
+def test_auto_keeps_to_cpu_memory_where_it_would_read_blocks_in_place(tmp_path):
+    """The reported case at a tiny scale: a budget where auto reads blocks in place (zero copy), with
+    cpu_memory too small for those blocks: auto streams instead, part of it from disk, exactly."""
+    folder = save(make_model("llama"), tmp_path)
+    reference = AutoModelForCausalLM.from_pretrained(folder).eval()
+    total = weight_bytes(reference)
+    load = dict(gpu_memory=total // 2, device="cpu", progress=False)
+    assert ws.handle_of(ws.from_pretrained(folder, **load)).stats.placement_kind == "uva"  # no host limit
+    cpu_memory = int(total * 0.4)  # less than the zero-copy blocks; enough for the disk tier
+    with pytest.raises(ws.BudgetError, match="cpu_memory"):  # zero copy alone cannot keep to it
+        ws.from_pretrained(folder, cpu_memory=cpu_memory, strategy="uva", **load)
+    model = ws.from_pretrained(folder, cpu_memory=cpu_memory, **load)
+    stats = ws.handle_of(model).stats
+    assert stats.requested_strategy == "auto" and stats.placement_kind == "stream"
+    assert stats.disk_bytes > 0
+    with torch.no_grad():
+        assert torch.equal(model(ids_for()).logits, reference(ids_for()).logits)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cpu_fraction", [None, 0.4])
+def test_plan_predicts_the_placement_the_load_gets(tmp_path, dtype, cpu_fraction):
+    from weightstream.planview import plan_report
+
+    folder = save(make_model("llama", dtype=dtype), tmp_path)
+    total = weight_bytes(make_model("llama", dtype=dtype))
+    budget, cpu_memory = total // 2, cpu_fraction and int(total * cpu_fraction)
+    report = plan_report(str(folder), budget, cpu_memory=cpu_memory)
+    assert report["dtype"] == str(dtype).removeprefix("torch.")
+    model = ws.from_pretrained(folder, gpu_memory=budget, cpu_memory=cpu_memory, device="cpu", progress=False)
+    handle = ws.handle_of(model)
+    p = handle.placement
+    assert report["streamed"]["blocks"] == list(p.streamed) and report["zero_copy"]["blocks"] == list(p.uva)
+    assert report["streamed"]["slots"] == p.n_slots and report["gpu_bytes"] == p.gpu_bytes
+    assert report["placement_kind"] == handle.stats.placement_kind
+    assert report["disk"]["bytes"] == handle.stats.disk_bytes
+    assert (cpu_memory is None) == (not report["disk"]["bytes"])

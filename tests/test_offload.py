@@ -12,6 +12,7 @@ from torch import nn
 
 import weightstream as ws
 from weightstream.cost import largest
+from weightstream.guards import live_parameters
 
 
 def ids_for(seed: int = 0, batch: int = 2, length: int = 9) -> torch.Tensor:
@@ -34,7 +35,7 @@ def test_eager_logits_are_bit_identical(twin, arch, fraction, strategy):
             ids = ids_for(seed)
             assert torch.equal(model(ids).logits, ref(ids).logits)
     stats = handle.stats
-    assert stats.strategy == strategy or strategy == "auto"
+    assert stats.requested_strategy == strategy and (stats.placement_kind == strategy or strategy == "auto")
     assert stats.streamed_bytes + stats.uva_bytes > 0
     assert stats.misses == 0 and stats.copies == 2 * stats.groups  # the planned schedule ran, in order
     assert stats.resident_bytes + stats.streamed_bytes + stats.uva_bytes == weight_bytes(ref)
@@ -101,13 +102,13 @@ def test_streamed_parameters_are_fixed_views_into_the_slots(twin):
     handle = ws.offload(model, gpu_memory=budget_for(model, 0.4), device="cpu", strategy="stream")
     slots = {s.data_ptr(): s for s in handle._slots}
     layer = dict(model.named_modules())[handle.streamed_blocks[0]]
-    in_slots = [p for p in layer.parameters() if p.untyped_storage().data_ptr() in slots]
+    in_slots = [p for p in live_parameters(layer) if p.untyped_storage().data_ptr() in slots]
     # the whole block, or its `part` largest tensors when the planner streams part of each block
-    assert len(in_slots) == (handle.placement.part or len(list(layer.parameters())))
-    ptrs = [p.data_ptr() for p in layer.parameters()]
+    assert len(in_slots) == (handle.placement.part or len(live_parameters(layer)))
+    ptrs = [p.data_ptr() for p in live_parameters(layer)]
     with torch.no_grad():
         model(ids_for())
-    assert ptrs == [p.data_ptr() for p in layer.parameters()]
+    assert ptrs == [p.data_ptr() for p in live_parameters(layer)]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -124,8 +125,8 @@ def test_a_placement_streaming_part_of_each_block_is_exact(twin, arch):
             blocks = dict(model.named_modules())
             slots = {s.untyped_storage().data_ptr() for s in handle._slots}
             for name in handle.streamed_blocks:
-                sizes = [t.nbytes for t in blocks[name].parameters()]
-                in_slot = [t.untyped_storage().data_ptr() in slots for t in blocks[name].parameters()]
+                sizes = [t.nbytes for t in live_parameters(blocks[name])]
+                in_slot = [t.untyped_storage().data_ptr() in slots for t in live_parameters(blocks[name])]
                 assert in_slot == [i in largest(tuple(sizes), p.part) for i in range(len(sizes))]
             with torch.no_grad():
                 assert torch.equal(model(ids_for()).logits, ref(ids_for()).logits)
@@ -277,16 +278,6 @@ def test_budget_too_small_names_the_minimum():
     assert handle.stats.slots == 1
 
 
-def test_training_mode_is_refused():
-    _, model = toy_twin()
-    with pytest.raises(ws.OffloadStateError, match=r"model.eval\(\)"):
-        ws.offload(model.train(), gpu_memory="1GB", device="cpu")
-
-
-def test_gradients_are_refused():
-    _, model = toy_twin()
-    with pytest.raises(ws.OffloadStateError, match=r"requires_grad_\(False\)"):
-        ws.offload(model.requires_grad_(True), gpu_memory="1GB", device="cpu")
 
 
 @pytest.mark.parametrize("move", [lambda m: m.to(torch.float64), lambda m: m.cuda(), lambda m: m.half(),
@@ -339,5 +330,37 @@ def test_a_compiled_forward_after_restore_says_what_to_do():
     handle = toy_streaming_all(model)
     engine_id = handle.engine_id
     handle.restore()
-    with pytest.raises(RuntimeError, match="compile or capture the model again"):
+    with pytest.raises(ws.OffloadStateError, match="compile or capture the model again"):
         ws.ops.wait([torch.ones(2)], engine_id, 0)
+
+
+# --- the planner's inputs ---------------------------------------------------------------------------
+
+def test_a_given_profile_is_the_planners_only_machine_input(monkeypatch):
+    """With profile= the placement depends on the arguments alone: the machine's own profile is never
+    read (here it would raise), and the placement is the one the planner computes from that profile."""
+    import dataclasses
+    import importlib
+
+    from weightstream.plan import plan
+
+    offload_module = importlib.import_module("weightstream.offload")  # the module, not the function
+
+    def no_machine(*args, **kwargs):
+        raise AssertionError("the machine's profile was read")
+
+    monkeypatch.setattr(offload_module, "load_profile", no_machine)
+    # a machine whose link is 1000x slower than the H200's, for copies and zero-copy reads alike
+    ref = ws.REFERENCE_PROFILE
+    slow_link = dataclasses.replace(ref, copy_s_per_byte=ref.copy_s_per_byte * 1000,
+                                    uva={m: s * 1000 for m, s in ref.uva.items()})
+    budget = budget_for(toy_twin()[1], 0.6)
+    for profile in (ws.REFERENCE_PROFILE, slow_link):
+        _, model = toy_twin()
+        handle = ws.offload(model, gpu_memory=budget, device="cpu", profile=profile)
+        prep = offload_module.prepare(toy_twin()[1], budget, "cpu", profile=profile)
+        assert handle.placement == prep.placement == plan(prep.cost, budget, 1, profile)
+        handle.restore()
+    fast = offload_module.prepare(toy_twin()[1], budget, "cpu", profile=ws.REFERENCE_PROFILE).placement
+    slow = offload_module.prepare(toy_twin()[1], budget, "cpu", profile=slow_link).placement
+    assert fast.prediction.ms < slow.prediction.ms  # the profile is what the prediction is made from

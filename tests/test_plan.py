@@ -5,9 +5,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from weightstream.cost import ModelCost
-from weightstream.errors import BudgetError
+from weightstream.errors import ArgumentError, BudgetError, WeightstreamError
 from weightstream.layout import pack
-from weightstream.plan import plan, spread
+from weightstream.plan import host_need, plan, spread
 from weightstream.probe import H200
 
 blocks_st = st.lists(st.integers(min_value=1, max_value=10**8), min_size=1, max_size=12)
@@ -50,7 +50,7 @@ def test_placement_respects_budget_and_places_each_block_once(model, budget, tok
     if not p.part:
         resident = [b for i, b in enumerate(sizes) if i not in p.streamed and i not in p.uva]
         assert p.resident_bytes == model.fixed_bytes + sum(resident)
-    assert p.resident_bytes + p.streamed_bytes == model.fixed_bytes + sum(sizes)
+    assert p.resident_bytes + p.offloaded_bytes == model.fixed_bytes + sum(sizes)
     assert p.uva_bytes == sum(sizes[i] for i in p.uva)
     if strategy == "stream":
         assert not p.uva
@@ -61,6 +61,8 @@ def test_placement_respects_budget_and_places_each_block_once(model, budget, tok
         assert 1 <= p.n_slots <= min(2, len(p.streamed))
     streamed = sum(model.streamed_bytes(i, p.part) for i in p.streamed)
     assert p.resident_bytes + streamed + p.uva_bytes == model.fixed_bytes + sum(sizes)
+    assert p.streamed_bytes == streamed and p.offloaded_bytes == streamed + p.uva_bytes
+    assert p.requested_strategy == strategy and p.kind in ("resident", "stream", "uva", "mix")
     assert p.part == 0 or (model.tensor_bytes and not p.uva)
 
 
@@ -92,19 +94,19 @@ LLAMA_8B = ModelCost(fixed_bytes=2_101_346_304, head_bytes=1_050_673_152, block_
 
 def test_everything_fits_means_nothing_moves():
     p = plan(LLAMA_8B, 17 * 10**9)
-    assert p.streamed == p.uva == () and p.strategy == "resident"
+    assert p.streamed == p.uva == () and p.kind == "resident"
 
 
 def test_decode_at_a_small_budget_streams_and_prefill_too():
     budget = LLAMA_8B.fixed_bytes + 2 * 436_224_000
     decode = plan(LLAMA_8B, budget, tokens=1)
-    assert decode.strategy == "stream" and decode.prediction.bound == "link"
+    assert decode.kind == "stream" and decode.prediction.bound == "link"
     # at decode compute is tiny: one block fewer on the link beats overlapping copy with compute
     assert (len(decode.streamed), decode.n_slots) == (31, 1)
     prefill = plan(LLAMA_8B, budget, tokens=2048)
     # at 2048 tokens a block computes ~2 ms: two slots overlap it with the copies; zero copy re-reads
     # the weights per tile and would be ~8x slower
-    assert prefill.strategy == "stream" and (len(prefill.streamed), prefill.n_slots) == (32, 2)
+    assert prefill.kind == "stream" and (len(prefill.streamed), prefill.n_slots) == (32, 2)
 
 
 def test_zero_copy_wins_when_two_slots_cost_more_than_they_save():
@@ -112,7 +114,7 @@ def test_zero_copy_wins_when_two_slots_cost_more_than_they_save():
     # zero copy evicts one block and needs no staging
     budget = LLAMA_8B.fixed_bytes + 31 * 436_224_000
     p = plan(LLAMA_8B, budget, tokens=1)
-    assert p.strategy == "uva" and len(p.uva) == 1
+    assert p.kind == "uva" and len(p.uva) == 1
 
 
 def test_budget_error_names_the_minimum():
@@ -122,8 +124,44 @@ def test_budget_error_names_the_minimum():
     assert plan(model, 1100, strategy="stream").n_slots == 1
     with pytest.raises(BudgetError, match=r"\(1000 bytes\)"):
         plan(model, 999)  # zero copy needs no staging: the fixed part alone
-    with pytest.raises(ValueError, match="strategy"):
+    with pytest.raises(ArgumentError, match="strategy"):
         plan(model, 10**6, strategy="fast")
+    assert issubclass(BudgetError, WeightstreamError) and issubclass(BudgetError, ValueError)
+
+
+@settings(max_examples=150, deadline=None)
+@given(model=model_st, budget=st.integers(0, 2 * 10**9), host=st.integers(0, 2 * 10**9), tokens=tokens_st,
+       strategy=strategy_st)
+def test_a_host_budget_is_never_exceeded_and_auto_fits_wherever_streaming_does(model, budget, host, tokens,
+                                                                                strategy):
+    """With host memory limited (from_pretrained's cpu_memory), every placement keeps its zero-copy
+    blocks plus the streamed groups or the disk tier's two bounce buffers within it, and auto (which can
+    stream) finds a placement wherever streaming alone does."""
+    try:
+        p = plan(model, budget, tokens, H200, strategy, host_bytes=host)
+    except BudgetError as err:
+        assert err.minimum_bytes >= 0
+        if strategy == "auto":
+            with pytest.raises(BudgetError):
+                plan(model, budget, tokens, H200, "stream", host_bytes=host)
+        return
+    assert host_need(model, p.streamed, p.uva, p.part) <= host
+    assert p.gpu_bytes <= budget
+
+
+def test_a_host_budget_smaller_than_the_zero_copy_blocks_makes_auto_stream():
+    """The reported case: auto picks zero copy for decode, but host memory cannot hold the blocks read
+    in place; with the host budget given it streams instead (groups beyond it stay on disk)."""
+    block = 436_224_000
+    budget = LLAMA_8B.fixed_bytes + 28 * block  # 4 blocks off the GPU: zero copy reads them in place
+    assert plan(LLAMA_8B, budget).kind == "uva" and len(plan(LLAMA_8B, budget).uva) == 4
+    host = 3 * block  # holds 3 of the 4 blocks, or the disk tier's two bounce buffers and one more
+    p = plan(LLAMA_8B, budget, host_bytes=host)
+    assert p.kind == "mix" or p.kind == "stream"
+    assert host_need(LLAMA_8B, p.streamed, p.uva, p.part) <= host
+    with pytest.raises(BudgetError, match="cpu_memory") as info:
+        plan(LLAMA_8B, budget, strategy="uva", host_bytes=host)
+    assert info.value.minimum_bytes == 4 * block
 
 
 @given(n=st.integers(1, 64), data=st.data())
@@ -158,8 +196,8 @@ def test_mixture_of_experts_decode_reads_routed_experts_in_place_and_prefill_str
     expert_bytes = 32 * 3 * 8 * 4096 * 14336 * 2
     assert sum(decode.cost.routed_bytes) == expert_bytes
     assert (decode.cost.experts, decode.cost.top_k) == (8, 2)
-    assert decode.placement.strategy == "uva" and decode.placement.prediction.ms < 500
+    assert decode.placement.kind == "uva" and decode.placement.prediction.ms < 500
     prefill = prepare(model, budget, "cpu", allow_meta=True, tokens=2048)
-    assert prefill.placement.strategy == "stream"
+    assert prefill.placement.kind == "stream"
     dense = prepare(meta_model("llama-3-8b"), 4 * 2**30, "cpu", allow_meta=True)
     assert dense.cost.routed_bytes == () and dense.cost.experts == 0

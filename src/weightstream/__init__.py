@@ -6,9 +6,11 @@
     handle.restore()
 """
 
-from .checkpoint import CheckpointError
 from .errors import (
+    ArgumentError,
     BudgetError,
+    CheckpointError,
+    InferenceOnlyError,
     OffloadStateError,
     PinnedMemoryError,
     UnsupportedTensorError,
@@ -17,11 +19,17 @@ from .errors import (
 from .hf import from_pretrained
 from .offload import OffloadHandle, OffloadStats, handle_of, offload
 from .plan import Placement
+from .probe import H200 as REFERENCE_PROFILE
+from .probe import MachineProfile
 from .sizes import format_size, parse_size
 
 __all__ = [
+    "REFERENCE_PROFILE",
+    "ArgumentError",
     "BudgetError",
     "CheckpointError",
+    "InferenceOnlyError",
+    "MachineProfile",
     "OffloadHandle",
     "OffloadStateError",
     "OffloadStats",

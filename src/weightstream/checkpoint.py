@@ -16,17 +16,15 @@ from pathlib import Path
 
 import torch
 
-from .errors import WeightstreamError
+from .errors import CheckpointError
+
+__all__ = ["CheckpointError", "StoredTensor", "read_index", "read_into"]
 
 _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
     "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
-
-
-class CheckpointError(WeightstreamError):
-    """The checkpoint folder is missing, incomplete, or does not match the model."""
 
 
 @dataclass(frozen=True)
@@ -55,22 +53,29 @@ def _read_header(path: Path) -> dict[str, StoredTensor]:
             header = json.loads(f.read(length))
         except ValueError as err:
             raise CheckpointError(f"{path} is not a safetensors file: {err}") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path} is not a safetensors file: its header is not a JSON object")
     tensors = {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        if info["dtype"] not in _DTYPES:
+        try:
+            dtype, (begin, end), shape = info["dtype"], info["data_offsets"], tuple(info["shape"])
+        except (KeyError, TypeError, ValueError):
             raise CheckpointError(
-                f"{path}: tensor {name} has dtype {info['dtype']}, which weightstream cannot read"
+                f"{path}: the header entry of tensor {name} lacks dtype, shape or data_offsets: the file "
+                "is not a valid safetensors file (re-save or re-download it)"
+            ) from None
+        if dtype not in _DTYPES:
+            raise CheckpointError(
+                f"{path}: tensor {name} has dtype {dtype}, which weightstream cannot read"
             )
-        begin, end = info["data_offsets"]
         if 8 + length + end > size:
             raise CheckpointError(
                 f"{path} is truncated: tensor {name} ends at byte {8 + length + end}, the file has {size} "
                 "(re-copy or re-download the shard)"
             )
-        tensors[name] = StoredTensor(path, 8 + length + begin, end - begin, _DTYPES[info["dtype"]],
-                                     tuple(info["shape"]))
+        tensors[name] = StoredTensor(path, 8 + length + begin, end - begin, _DTYPES[dtype], shape)
     return tensors
 
 
@@ -80,7 +85,11 @@ def read_index(folder: str | os.PathLike) -> dict[str, StoredTensor]:
     folder = Path(folder)
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(
+                f"{index} has no weight_map (tensor name -> shard file): re-save the checkpoint"
+            )
         shards = sorted(set(weight_map.values()))
         missing = [s for s in shards if not (folder / s).is_file()]
         if missing:
@@ -102,6 +111,17 @@ def read_index(folder: str | os.PathLike) -> dict[str, StoredTensor]:
         if absent:
             raise CheckpointError(f"{folder}: the index lists tensors no shard holds, e.g. {absent[:3]}")
     return tensors
+
+
+def read_json(path: Path) -> dict:
+    """The JSON object in `path`; raises CheckpointError naming the file when it is not one."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise CheckpointError(f"{path} is not valid JSON ({err}): fix or re-save the file") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} does not hold a JSON object: fix or re-save the file")
+    return data
 
 
 def read_into(stored: StoredTensor, dst: torch.Tensor) -> None:

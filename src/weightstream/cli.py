@@ -1,9 +1,12 @@
-"""The `weightstream` command line."""
+"""The `weightstream` command line. A mistake in what was asked ends in one line on stderr and exit
+status 2; a demo whose tokens differ from the resident run's exits 1."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+
+USAGE_ERROR = 2
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,12 +42,25 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--gpu-memory", required=True, help='GPU budget for the weights, e.g. "20GiB"')
     plan.add_argument("--tokens", type=int, default=1, help="tokens per forward to plan for (default 1)")
     plan.add_argument("--strategy", default="auto", choices=["auto", "stream", "uva"])
+    plan.add_argument("--dtype", default=None,
+                      help="dtype to plan in (default: a folder's checkpoint dtype; bfloat16 for built-ins)")
+    plan.add_argument("--cpu-memory", default=None,
+                      help='host memory for offloaded weights, as for from_pretrained (default: no limit)')
     plan.add_argument("--json", action="store_true", help="print JSON for tools")
     args = parser.parse_args(argv)
 
+    from .errors import WeightstreamError
+
+    try:
+        return _run(args)
+    except WeightstreamError as err:
+        message = " ".join(str(err).split())  # one line, whatever the message held
+        print(f"weightstream {args.command}: {message}", file=sys.stderr)
+        return USAGE_ERROR
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.command == "demo":
-        if not 0 < args.fraction <= 1:
-            parser.error("--fraction must be in (0, 1]")
         from .demo import run_demo
 
         return 0 if run_demo(args.device, args.fraction, args.new_tokens) else 1
@@ -53,31 +69,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "plan":
         import json
 
-        from .errors import BudgetError
         from .planview import format_report, plan_report
 
-        try:
-            report = plan_report(args.model, args.gpu_memory, args.tokens, args.strategy)
-        except (BudgetError, ValueError) as err:
-            print(f"weightstream plan: {err}", file=sys.stderr)
-            return 1
+        report = plan_report(args.model, args.gpu_memory, args.tokens, args.strategy, dtype=args.dtype,
+                             cpu_memory=args.cpu_memory)
         print(json.dumps(report, indent=1) if args.json else format_report(report))
         return 0
     if args.command == "generate":
-        from .errors import WeightstreamError
         from .generate import generate_text
 
-        try:
-            summary = generate_text(
-                args.path, args.prompt, args.gpu_memory, max_new_tokens=args.max_new_tokens,
-                compile=args.compile, chat=args.chat, device=args.device, dtype=args.dtype,
-            )
-        except (WeightstreamError, ValueError) as err:
-            print(f"weightstream generate: {err}", file=sys.stderr)
-            return 1
+        summary = generate_text(
+            args.path, args.prompt, args.gpu_memory, max_new_tokens=args.max_new_tokens,
+            compile=args.compile, chat=args.chat, device=args.device, dtype=args.dtype,
+        )
         print(summary)
         return 0
-    return 2
+    return USAGE_ERROR
 
 
 def _probe(refresh: bool) -> int:

@@ -3,11 +3,13 @@ and check the tokens against the same model run fully resident."""
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
 
-from .offload import offload
+from .errors import ArgumentError, BudgetError
+from .offload import _resolve_device, offload, prepare
 from .sizes import format_size
 
 # Built-in shapes: random weights, no download. "gpu" is ~2.2 GB in bf16, "cpu" ~14 MB in fp32.
@@ -61,8 +63,14 @@ def run_demo(device: str | None = None, fraction: float = 0.4, new_tokens: int =
     """Run the demo; returns True when the offloaded tokens equal the resident ones.
 
     fraction: the GPU budget as a fraction of the model's weight bytes (the rest streams).
+    Raises ArgumentError for a device that is not here, a fraction outside (0, 1] or fewer than one new
+    token, and BudgetError for a fraction too small to hold what must stay on the GPU.
     """
-    dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dev = _resolve_device(device)
+    if not 0 < fraction <= 1:
+        raise ArgumentError(f"--fraction {fraction}: give the GPU budget as a fraction in (0, 1]")
+    if new_tokens < 1:
+        raise ArgumentError(f"--new-tokens {new_tokens}: generate at least 1 token")
     if dev.type == "cpu":
         print("No CUDA GPU here: running on the CPU with the synchronous backend. This checks the schedule "
               "and exactness only; speed means nothing without a GPU.")
@@ -70,6 +78,12 @@ def run_demo(device: str | None = None, fraction: float = 0.4, new_tokens: int =
     model = build_model(shape, dev, dtype)
     total = _weight_bytes(model)
     budget = int(total * fraction)
+    try:
+        prepare(model, budget, dev)  # plans only: a budget too small is refused before any generation
+    except BudgetError as err:
+        smallest = math.ceil(err.minimum_bytes / total * 100) / 100
+        raise BudgetError(f"--fraction {fraction} gives {format_size(budget)}, too little for this model: "
+                          f"give at least --fraction {smallest:.2f} ({err})", err.minimum_bytes) from None
     prompt = torch.randint(0, model.config.vocab_size, (1, 16), generator=torch.Generator().manual_seed(1))
     prompt = prompt.to(dev)
     print(f"model: Llama-shaped, {model.config.num_hidden_layers} layers, {format_size(total)} of weights "
@@ -89,7 +103,7 @@ def run_demo(device: str | None = None, fraction: float = 0.4, new_tokens: int =
     print(f"GPU memory allocated: {before} resident -> {after} offloaded")
     print(f"resident:  {new_tokens / resident_s:8.1f} tokens/s")
     print(f"offloaded: {new_tokens / offloaded_s:8.1f} tokens/s "
-          f"(eager generate; strategy {stats.strategy}: {stats.groups} blocks streamed, "
+          f"(eager generate; placement {stats.placement_kind}: {stats.groups} blocks streamed, "
           f"{format_size(stats.uva_bytes)} read in place)")
     print(f"tokens identical to the fully resident run: {'yes' if same else 'NO'}")
     handle.restore()

@@ -1,20 +1,37 @@
-"""Errors a user can cause. Each message says what to change."""
+"""Errors a user can cause. Each message says what to change.
+
+Every one is a `WeightstreamError`, so `except weightstream.WeightstreamError` catches any mistake in
+what was asked; those about a bad value are also `ValueError`s.
+"""
 
 
 class WeightstreamError(RuntimeError):
-    """Base class for weightstream's runtime errors."""
+    """Base class of every error a user of weightstream can cause."""
 
 
-class BudgetError(ValueError):
-    """The GPU memory budget cannot hold what must stay on the GPU; `minimum_bytes` is what would."""
+class ArgumentError(WeightstreamError, ValueError):
+    """An argument weightstream cannot use: a size, dtype, device, strategy or token count."""
+
+
+class BudgetError(WeightstreamError, ValueError):
+    """A memory budget cannot hold what must stay in it; `minimum_bytes` is what would."""
 
     def __init__(self, message: str, minimum_bytes: int) -> None:
         super().__init__(message)
         self.minimum_bytes = minimum_bytes
 
 
+class CheckpointError(WeightstreamError):
+    """The checkpoint folder is missing, incomplete, malformed, or does not match the model."""
+
+
 class OffloadStateError(WeightstreamError):
-    """The model is in a state offloading does not support (training, meta tensors, already offloaded...)."""
+    """The model is in a state offloading does not support (meta tensors, already offloaded...), or
+    was asked for something an offloaded model cannot do (move, cast, copy, pickle)."""
+
+
+class InferenceOnlyError(OffloadStateError):
+    """Training or autograd through streamed weights: an offloaded model is for inference only."""
 
 
 class PinnedMemoryError(WeightstreamError):

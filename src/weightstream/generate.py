@@ -8,8 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .checkpoint import CheckpointError
-from .hf import checkpoint_folder, from_pretrained
+from .dtypes import parse_dtype
+from .errors import ArgumentError, CheckpointError
+from .hf import checkpoint_folder, from_pretrained, read_config
 from .offload import handle_of
 from .sizes import format_size
 
@@ -81,7 +82,14 @@ def generate_text(
     """Load `path` offloaded under `gpu_memory`, generate greedily from `prompt`, print the text as it
     comes (when `echo`), and return the summary. compile: static KV cache and
     `torch.compile(fullgraph=True)` of the forward. chat: wrap the prompt in the tokenizer's chat
-    template."""
+    template. Raises ArgumentError for an empty prompt or fewer than one new token."""
+    if not prompt:
+        raise ArgumentError("--prompt is empty: give the text to continue, e.g. --prompt 'Hello'")
+    if max_new_tokens < 1:
+        raise ArgumentError(f"--max-new-tokens {max_new_tokens}: generate at least 1 token")
+    if dtype is not None:
+        parse_dtype(dtype)  # before anything is loaded
+    read_config(checkpoint_folder(path))  # its mistakes first, before the tokenizer trips on them
     tokenizer = _load_tokenizer(path)
     model = from_pretrained(path, gpu_memory, dtype=dtype, device=device)
     handle = handle_of(model)

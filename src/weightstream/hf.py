@@ -19,12 +19,14 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from . import fp8
-from .checkpoint import CheckpointError, StoredTensor, read_index, read_into
+from .checkpoint import StoredTensor, read_index, read_into, read_json
 from .disk import DiskTier
-from .errors import BudgetError
+from .dtypes import parse_dtype
+from .errors import BudgetError, CheckpointError
 from .host import HostArena
 from .offload import Entry, final_places, finish, prepare
 from .plan import spread
+from .probe import MachineProfile
 from .sizes import format_size, parse_size
 
 
@@ -52,8 +54,13 @@ def params_on_meta():
 def checkpoint_folder(path: str | os.PathLike) -> Path:
     """`path` as a local checkpoint folder; raises CheckpointError when it is not one (never looks
     anything up on a model hub)."""
-    folder = Path(path)
-    if not folder.is_dir():
+    try:
+        folder = Path(path)
+        is_dir = folder.is_dir()
+    except (TypeError, ValueError, OSError):  # not a path, an embedded NUL byte, a name too long
+        raise CheckpointError(f"{path!r} is not a folder path: give the folder a save_pretrained call "
+                              "wrote") from None
+    if not is_dir:
         raise CheckpointError(f"{folder} is not a folder: give the folder a save_pretrained call wrote")
     if not (folder / "config.json").is_file():
         raise CheckpointError(
@@ -63,25 +70,73 @@ def checkpoint_folder(path: str | os.PathLike) -> Path:
     return folder
 
 
-def _build_model(folder: Path, dtype: torch.dtype | None) -> nn.Module:
+SUPPORTED = (
+    "the transformers class named in config.json's `architectures` (what save_pretrained recorded: "
+    "causal LMs such as LlamaForCausalLM, seq2seq models such as T5ForConditionalGeneration, encoders "
+    "such as BertModel), or AutoModelForCausalLM where config.json names none"
+)
+
+
+def read_config(folder: Path):
+    """The transformers config in `folder`/config.json; CheckpointError (naming the file and what to
+    change) when it is not valid JSON, has no model_type, or transformers does not know it."""
     try:
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoConfig
     except ImportError as err:
-        raise CheckpointError("from_pretrained needs transformers: pip install 'weightstream[hf]'") from err
+        raise CheckpointError("loading a checkpoint needs transformers: pip install 'weightstream[hf]'"
+                              ) from err
+    path = folder / "config.json"
+    fields = read_json(path)
+    if not isinstance(fields.get("model_type"), str):
+        raise CheckpointError(f"{path} has no model_type: give the config.json that save_pretrained wrote")
     try:
-        config = AutoConfig.from_pretrained(folder, local_files_only=True)
-    except (ValueError, KeyError, OSError) as err:
-        raise CheckpointError(f"{folder}/config.json: transformers cannot read it: {err}") from None
-    dtype = dtype or getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
+        return AutoConfig.from_pretrained(folder, local_files_only=True)
+    except (ValueError, KeyError, OSError, TypeError) as err:
+        first = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
+        raise CheckpointError(f"{path}: transformers cannot read this config (model_type "
+                              f"{fields['model_type']!r}; {first})") from None
+
+
+def config_dtype(config, dtype: torch.dtype | str | None = None) -> torch.dtype:
+    """The dtype a model is built in: `dtype` when given, else the config's, else float32."""
+    if dtype is not None:
+        return parse_dtype(dtype)
+    stored = config.dtype if hasattr(config, "dtype") else getattr(config, "torch_dtype", None)
     try:
-        with params_on_meta():
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    except ValueError as err:
-        raise CheckpointError(
-            f"{folder}: transformers does not know this architecture ({config.model_type}): {err}"
-        ) from None
+        return parse_dtype(stored) if stored is not None else torch.float32
+    except ValueError:
+        return torch.float32
+
+
+def model_class(config, folder: Path):
+    """The transformers class to build: the one config.json's `architectures` names, else
+    AutoModelForCausalLM. Raises CheckpointError naming what is supported."""
+    import transformers
+
+    names = getattr(config, "architectures", None) or []
+    if names:
+        cls = getattr(transformers, names[0], None)
+        if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel):
+            return cls
+        raise CheckpointError(f"{folder}/config.json names the class {names[0]!r}, which this transformers "
+                              f"({transformers.__version__}) lacks: weightstream loads {SUPPORTED}")
+    return transformers.AutoModelForCausalLM
+
+
+def build_model(folder: Path, dtype: torch.dtype | str | None, on_meta: bool = False) -> nn.Module:
+    """The model of the checkpoint in `folder`, in eval mode without gradients, with its parameters on
+    the meta device (buffers real; `on_meta`: buffers on meta too, for planning only)."""
+    config = read_config(folder)
+    cls = model_class(config, folder)
+    dtype = config_dtype(config, dtype)
+    build = cls.from_config if cls.__name__.startswith("Auto") else cls._from_config
+    try:
+        with torch.device("meta") if on_meta else params_on_meta():
+            model = build(config, dtype=dtype)
+    except (ValueError, KeyError, TypeError) as err:
+        first = str(err).splitlines()[0][:200]
+        raise CheckpointError(f"{folder}: cannot build {cls.__name__} for model_type {config.model_type!r} "
+                              f"({first}); weightstream loads {SUPPORTED}") from None
     _quantized_layers(model, config, folder)
     return model.eval().requires_grad_(False)
 
@@ -209,30 +264,35 @@ def from_pretrained(
     strategy: str = "auto",
     tokens: int = 1,
     progress: bool = True,
+    profile: MachineProfile | None = None,
 ) -> nn.Module:
-    """Load the causal LM in the local folder `path` so its weights take at most `gpu_memory`.
+    """Load the model in the local folder `path` so its weights take at most `gpu_memory`.
 
     path: a folder written by `save_pretrained` (config.json and safetensors shards). Nothing is
-        downloaded.
+        downloaded. The model class is the one config.json's `architectures` names (causal LMs,
+        seq2seq models, encoders...), else AutoModelForCausalLM.
     cpu_memory: host memory for the streamed weights, bytes or "64GiB" (default: no limit). Streamed
         groups beyond it stay in the safetensors files and are read every forward through two pinned
         bounce buffers (counted in cpu_memory); that disk tier needs the checkpoint's dtype and cannot
-        be captured in CUDA graphs.
-    dtype: the model's dtype (default: the config's).
-    strategy, tokens: as for `offload` ("auto", "stream" or "uva"; tokens per forward to plan for).
+        be captured in CUDA graphs. The planner keeps zero-copy blocks within it.
+    dtype: the model's dtype, a torch.dtype or a name such as "bfloat16" or "fp16" (default: the
+        config's, else float32).
+    strategy, tokens, profile: as for `offload` ("auto", "stream" or "uva"; tokens per forward to plan
+        for; the machine profile to plan with).
     Returns the model, offloaded; `weightstream.handle_of(model)` gives its handle. On any error
     nothing stays allocated.
     """
     folder = checkpoint_folder(path)
-    model = _build_model(folder, getattr(torch, dtype) if isinstance(dtype, str) else dtype)
+    host_bytes = None if cpu_memory is None else parse_size(cpu_memory)
+    model = build_model(folder, dtype)
     stored = read_index(folder)
     prep = prepare(model, gpu_memory, device, allow_meta=True, strategy=strategy, tokens=tokens,
-                   pin_memory=pin_memory)
+                   pin_memory=pin_memory, profile=profile, host_bytes=host_bytes)
     pairs = _match(model, prep.entries, stored, folder)
-    host_limit = None if cpu_memory is None else parse_size(cpu_memory) - sum(prep.uva_group_bytes)
-    if host_limit is not None and host_limit < 0:
+    host_limit = None if host_bytes is None else host_bytes - sum(prep.uva_group_bytes)
+    if host_limit is not None and host_limit < 0:  # the planner keeps to cpu_memory: a safety net
         raise BudgetError(
-            f"cpu_memory={format_size(parse_size(cpu_memory))} cannot hold the zero-copy blocks "
+            f"cpu_memory={format_size(host_bytes)} cannot hold the zero-copy blocks "
             f"({format_size(sum(prep.uva_group_bytes))}), which must be in host memory: give more "
             "cpu_memory or strategy='stream'",
             sum(prep.uva_group_bytes),

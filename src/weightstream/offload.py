@@ -17,15 +17,15 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from . import kinds, ops, replay, subclass
+from . import guards, kinds, ops, replay, subclass
 from .blocks import find_blocks
 from .cost import ModelCost, largest
 from .disk import DiskTier
-from .errors import OffloadStateError, WeightstreamError
+from .errors import ArgumentError, OffloadStateError, WeightstreamError
 from .host import HostArena
 from .layout import Slice, pack
 from .plan import Placement, plan
-from .probe import load_profile
+from .probe import MachineProfile, load_profile
 from .schedule import Schedule
 from .sizes import format_size, parse_size
 from .transfer import CudaTransfer, SyncTransfer
@@ -113,10 +113,16 @@ class Entry:
 
 @dataclass(frozen=True)
 class OffloadStats:
-    """What an offload placed where. Sizes in bytes. Counts since offload: `copies` (asynchronous
-    group copies), `prologues` (passes entered with nothing prefetched: a forward after a capture or
-    replay, or the first), `misses` (waits whose group was not prefetched because the run order
-    differed from the learned one; each costs one group's copy time) and `misses_last_pass`."""
+    """What an offload placed where. Sizes in bytes.
+
+    `streamed_bytes` stream through the staging slots; `uva_bytes` are read in place (zero copy).
+    `requested_strategy` is what offload was asked for ("auto", "stream", "uva"); `placement_kind` what
+    the planner chose ("resident", "stream", "uva" or "mix"). Counts since offload: `copies`
+    (asynchronous group copies), `prologues` (passes entered with nothing prefetched: the first block
+    of a forward, or the first call after a CUDA graph capture or replay), `misses` (waits whose group
+    was not prefetched because the run order differed from the learned one; each costs one group's
+    copy time) and `misses_last_pass`.
+    """
 
     device: str
     resident_bytes: int
@@ -131,7 +137,8 @@ class OffloadStats:
     prologues: int
     misses: int
     misses_last_pass: int
-    strategy: str
+    placement_kind: str
+    requested_strategy: str
     predicted_ms: float | None
 
     def __str__(self) -> str:
@@ -142,7 +149,8 @@ class OffloadStats:
             f"staging {format_size(self.staging_bytes)} in {self.slots} slots, "
             f"pinned {format_size(self.pinned_bytes)}, read from disk {format_size(self.disk_bytes)}; "
             f"{self.copies} async copies, {self.prologues} pass prologues, {self.misses} misses "
-            f"({self.misses_last_pass} in the last pass); strategy {self.strategy}"
+            f"({self.misses_last_pass} in the last pass); placement {self.placement_kind} "
+            f"(asked for {self.requested_strategy})"
         )
 
 
@@ -178,8 +186,6 @@ def _check_model(model: nn.Module, entries: list[Entry], allow_meta: bool) -> No
         raise OffloadStateError(
             "this model (or a submodule) is already offloaded: call handle.restore() before offloading again"
         )
-    if model.training:
-        raise OffloadStateError("weightstream is for inference: call model.eval() before offload()")
     for entry in entries:
         site = entry.sites[0]
         if entry.tensor.is_meta and not allow_meta:
@@ -187,17 +193,15 @@ def _check_model(model: nn.Module, entries: list[Entry], allow_meta: bool) -> No
                 f"{type(site.module).__name__}.{site.name} is on the meta device: load the weights first "
                 "(e.g. from_pretrained, or model.to_empty() and a state dict)"
             )
-        if entry.tensor.requires_grad:
-            raise OffloadStateError(
-                "weightstream is for inference and the model's parameters require gradients: call "
-                "model.requires_grad_(False) before offload()"
-            )
 
 
 def _resolve_device(device: str | torch.device | None) -> torch.device:
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ArgumentError(f"device={device!r}: give 'cuda', 'cuda:N' or 'cpu'") from None
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise WeightstreamError(
@@ -206,7 +210,7 @@ def _resolve_device(device: str | torch.device | None) -> torch.device:
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
     elif device.type != "cpu":
-        raise WeightstreamError(f"device={device}: weightstream supports 'cuda' and 'cpu'")
+        raise ArgumentError(f"device={device}: weightstream supports 'cuda' and 'cpu'")
     return device
 
 
@@ -353,7 +357,8 @@ class OffloadHandle:
             prologues=self._schedule.prologues,
             misses=self._schedule.misses,
             misses_last_pass=self._schedule.misses_last_pass,
-            strategy=p.strategy,
+            placement_kind=p.kind,
+            requested_strategy=p.requested_strategy,
             predicted_ms=p.prediction.ms if p.prediction else None,
         )
 
@@ -372,6 +377,7 @@ class OffloadHandle:
             del block._ws_engine_id, block._ws_group
         for module in self._patched:
             del module._apply
+        self._guards.remove()  # after this, parameters() would read the slots: none is read below
         object.__delattr__(self.model, _HANDLE_ATTR)
         self._transfer.close()
         for g, group in enumerate(self._groups + self._uva_groups):
@@ -561,18 +567,26 @@ def prepare(
     strategy: str = "auto",
     tokens: int = 1,
     pin_memory: bool = True,
+    profile: MachineProfile | None = None,
+    host_bytes: int | None = None,
     placement: Placement | None = None,
 ) -> Prepared:
     """Check the model and plan what stays on `device`, what streams and what is read in place
     (zero copy); moves nothing yet.
 
     allow_meta: accept parameters on the meta device (a model built empty, to be filled from a
-    checkpoint straight into its final places). strategy, tokens, placement: see `offload`.
+    checkpoint straight into its final places). strategy, tokens, profile, placement: see `offload`.
+    host_bytes: host memory for the offloaded weights (see `plan.plan`; None: no limit).
     """
     budget = parse_size(gpu_memory)
     device = _resolve_device(device)
     if not isinstance(model, nn.Module):
-        raise TypeError(f"offload() takes an nn.Module, got {type(model).__name__}")
+        raise ArgumentError(f"offload() takes an nn.Module, got {type(model).__name__}")
+    if profile is not None and not isinstance(profile, MachineProfile):
+        raise ArgumentError(
+            f"profile={type(profile).__name__}: give a weightstream.MachineProfile (e.g. "
+            "weightstream.REFERENCE_PROFILE, or MachineProfile.from_json of a `weightstream probe` cache)"
+        )
     found = find_blocks(model, blocks)
     block_modules = [b.module for b in found]
     entries = _collect(model, block_modules)
@@ -583,16 +597,17 @@ def prepare(
         if entry.owner is not None:
             per_block[entry.owner].append(entry)
     layouts = [pack([e.nbytes for e in group]) for group in per_block]
-    if tokens < 1:
-        raise ValueError(f"tokens={tokens}: give the tokens per forward to optimize for, at least 1")
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+        raise ArgumentError(f"tokens={tokens!r}: give the tokens per forward to optimize for, an int >= 1")
     if strategy == "uva" and device.type == "cuda" and not pin_memory:
-        raise ValueError("strategy='uva' reads pinned host memory in place: it needs pin_memory=True")
+        raise ArgumentError("strategy='uva' reads pinned host memory in place: it needs pin_memory=True")
     cost = model_cost(entries, per_block, [size for _, size in layouts], activation_width(model),
                       expert_routing(model))
     if placement is None:
-        placement = plan(cost, budget, tokens, load_profile(device), strategy)
+        profile = load_profile(device) if profile is None else profile
+        placement = plan(cost, budget, tokens, profile, strategy, host_bytes=host_bytes)
     elif placement.gpu_bytes > budget or max(placement.streamed + placement.uva, default=-1) >= len(found):
-        raise WeightstreamError(
+        raise ArgumentError(
             f"the given placement needs {format_size(placement.gpu_bytes)} of GPU memory for blocks up to "
             f"{max(placement.streamed + placement.uva, default=-1)}; the budget is {format_size(budget)} "
             f"and the model has {len(found)} blocks: make it with plan.placement_of for this model"
@@ -669,6 +684,7 @@ def finish(
             _set_tensor(entry, entry.view_of(slot[sl.offset : sl.offset + sl.nbytes]))
 
     handle = OffloadHandle(prep, arena, slots, disk, pin)
+    handle._guards = guards.ModelGuards(handle)  # gradients off, eval mode, true state dicts
     _install_schedule(handle, prep.block_modules)
     for module in prep.model.modules():
         module._apply = types.MethodType(_blocked_apply, module)
@@ -689,9 +705,15 @@ def offload(
     blocks: list[str] | None = None,
     strategy: str = "auto",
     tokens: int = 1,
+    profile: MachineProfile | None = None,
     placement: Placement | None = None,
 ) -> OffloadHandle:
     """Offload `model` in place so its weights take at most `gpu_memory` on `device`; return the handle.
+
+    For inference: the model may come as transformers builds it (training mode, parameters requiring
+    gradients); offload puts it in eval mode and turns gradients off, and `restore()` puts both back.
+    While offloaded, `train()`, `requires_grad_(True)` and autograd raise InferenceOnlyError;
+    `state_dict()` and `parameters()` give the true weights; `deepcopy` and pickling refuse.
 
     gpu_memory: bytes (int) or a string like "6GiB" / "500MB": resident weights plus staging slots.
         Activations and KV caches are not counted.
@@ -705,11 +727,15 @@ def offload(
         staging slots ahead of use) or "uva" (kernels read blocks in place from pinned host memory,
         no staging memory).
     tokens: tokens per forward to plan for (1 = batch-1 decode; 2048 for such a prefill).
+    profile: the machine profile the planner costs placements with (`weightstream.MachineProfile`).
+        Default: this GPU's cached profile, measured once (about ten seconds) when absent; the reference
+        H200 profile without CUDA. Pass one (e.g. `weightstream.REFERENCE_PROFILE`) and the placement
+        depends on the arguments alone, the same on every machine.
     placement: use this placement instead of planning one (`plan.placement_of` makes one from the
         model's cost, `prepare(...).cost`): how tests and tools force the case they need.
     """
     prep = prepare(model, gpu_memory, device, blocks, strategy=strategy, tokens=tokens,
-                   pin_memory=pin_memory, placement=placement)
+                   pin_memory=pin_memory, profile=profile, placement=placement)
     pin = pin_memory and prep.device.type == "cuda"
     arena = HostArena(prep.host_group_bytes, pin=pin)
     places = final_places(prep, arena, keep_on_device=True)

@@ -9,7 +9,8 @@ move a weight read out of the window, whichever input or output the read is on (
 reads weights on its text stream and its time embedding too, and returns two streams). Declaring the
 streamed WEIGHTS as mutated instead gives wrong outputs (functionalization clones the aliased slot
 views) and breaks CUDA-graph capture (measured on the H200; see docs/exactness.md). The ops only
-enqueue GPU work (event waits and async copies), so a CUDA graph captures the whole schedule.
+enqueue GPU work (event waits and async copies), so a CUDA graph captures the whole schedule. Their autograd
+rule, registered in guards.py, refuses: an offloaded model is for inference only.
 
 Engines are found by an integer id, so two offloaded models in one process stay independent.
 """
@@ -21,6 +22,8 @@ import weakref
 from typing import Protocol
 
 import torch
+
+from .errors import OffloadStateError
 
 
 class _Engine(Protocol):
@@ -56,7 +59,7 @@ def _engine(engine_id: int) -> _Engine:
     try:
         return _ENGINES[engine_id]
     except KeyError:
-        raise RuntimeError(
+        raise OffloadStateError(
             f"weightstream engine {engine_id} is gone (handle.restore() was called, or the offloaded "
             "model was deleted): this compiled or captured forward still refers to it; compile or "
             "capture the model again"

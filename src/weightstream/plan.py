@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .cost import ModelCost, Prediction, predict
-from .errors import BudgetError
+from .errors import ArgumentError, BudgetError
 from .probe import MachineProfile
 from .sizes import format_size
 
@@ -31,17 +31,21 @@ class Placement:
     `streamed` lists the streamed blocks in forward order; each is one group, and group i (its
     position in `streamed`) is staged in slot i % n_slots. With `part` > 0 only each streamed block's
     `part` largest tensors stream and the rest of it stays resident. `uva` lists the zero-copy blocks.
+    `offloaded_bytes` are the bytes kept off the GPU: those that stream through the slots plus the
+    zero-copy ones (`uva_bytes`). `requested_strategy` is what was asked for ("auto", "stream",
+    "uva"); `kind` is what the placement turned out to be.
     """
 
     streamed: tuple[int, ...]
     n_slots: int
     slot_bytes: int
     resident_bytes: int
-    streamed_bytes: int
+    offloaded_bytes: int
     uva: tuple[int, ...] = ()
     uva_bytes: int = 0
     prediction: Prediction | None = None
     part: int = 0  # each streamed block streams its `part` largest tensors (cost.largest); 0: all of it
+    requested_strategy: str = "auto"
 
     @property
     def staging_bytes(self) -> int:
@@ -54,10 +58,23 @@ class Placement:
         return self.resident_bytes + self.staging_bytes
 
     @property
-    def strategy(self) -> str:
+    def streamed_bytes(self) -> int:
+        """Bytes that stream through the staging slots (the offloaded bytes less the zero-copy ones)."""
+        return self.offloaded_bytes - self.uva_bytes
+
+    @property
+    def kind(self) -> str:
         """"resident", "stream", "uva" or "mix": what the placement does with the blocks off the GPU."""
         return {(False, False): "resident", (True, False): "stream", (False, True): "uva"}.get(
             (bool(self.streamed), bool(self.uva)), "mix")
+
+
+def host_need(model: ModelCost, streamed: tuple[int, ...], uva: tuple[int, ...], part: int = 0) -> int:
+    """Host bytes a placement needs at the least: its zero-copy blocks (read in place, so in host
+    memory), plus every streamed group or, when some of them stay on disk, two bounce buffers of the
+    largest streamed group."""
+    groups = [model.staging(i, part) for i in streamed]
+    return sum(model.staging(i) for i in uva) + min(sum(groups), 2 * max(groups, default=0))
 
 
 def spread(n: int, k: int) -> tuple[int, ...]:
@@ -95,15 +112,18 @@ def placement_of(
     tokens: int = 1,
     profile: MachineProfile | None = None,
     budget: int | None = None,
+    host_bytes: int | None = None,
+    strategy: str = "auto",
 ) -> Placement | None:
     """The placement that streams blocks `streamed` through `n_slots` slots (each block's `part`
     largest tensors; 0: all of it) and reads blocks `uva` in place, with its predicted time; None when
-    it does not fit `budget` bytes (no limit when None). Tests and tools use it to force a placement."""
+    it does not fit `budget` bytes of GPU memory or `host_bytes` of host memory (no limit when None).
+    `strategy` is recorded as the requested one. Tests and tools use it to force a placement."""
     if profile is None:
         from .probe import H200 as profile
     sizes = model.block_bytes
     if bool(streamed) != (n_slots > 0) or set(streamed) & set(uva):
-        raise ValueError(f"streamed={streamed}, uva={uva}, n_slots={n_slots}: streamed blocks need at "
+        raise ArgumentError(f"streamed={streamed}, uva={uva}, n_slots={n_slots}: streamed blocks need at "
                          "least one slot, and a block is streamed or read in place, not both")
     off = set(streamed) | set(uva)
     resident = model.fixed_bytes + sum(b for i, b in enumerate(sizes) if i not in off)
@@ -111,10 +131,12 @@ def placement_of(
     slot = max((model.staging(i, part) for i in streamed), default=0)
     if budget is not None and resident + n_slots * slot > budget:
         return None
+    if host_bytes is not None and host_need(model, streamed, uva, part) > host_bytes:
+        return None
     prediction = predict(model, streamed, n_slots, uva, tokens, profile, part)
     total = model.fixed_bytes + sum(sizes)
     return Placement(tuple(streamed), n_slots, slot, resident, total - resident, tuple(uva),
-                     sum(sizes[i] for i in uva), prediction, part)
+                     sum(sizes[i] for i in uva), prediction, part, strategy)
 
 
 def plan(
@@ -124,26 +146,43 @@ def plan(
     profile: MachineProfile | None = None,
     strategy: str = "auto",
     max_slots: int = 2,
+    host_bytes: int | None = None,
 ) -> Placement:
     """The fastest placement of `model` whose weights fit in `budget` bytes of GPU memory.
 
     tokens: tokens per forward to optimize for (1 for batch-1 decode, 2048 for such a prefill).
     strategy: "stream" (resident or streamed blocks), "uva" (resident or zero-copy blocks) or "auto"
         (either, or a mix, whichever the cost model predicts fastest).
+    host_bytes: host memory for the offloaded weights (None: no limit). A placement is kept only when
+        host memory holds its zero-copy blocks plus either every streamed group or, with the rest left
+        on disk (`from_pretrained`'s disk tier), two bounce buffers of the largest streamed group.
     """
     if strategy not in STRATEGIES:
-        raise ValueError(f"strategy={strategy!r}: choose one of {', '.join(STRATEGIES)}")
+        raise ArgumentError(f"strategy={strategy!r}: choose one of {', '.join(STRATEGIES)}")
     if profile is None:
         from .probe import H200 as profile
     n = len(model.block_bytes)
     best: Placement | None = None
     max_part = max((len(t) for t in model.tensor_bytes), default=0)
     for streamed, uva, n_slots, part in _candidates(n, strategy, max_slots, max_part):
-        candidate = placement_of(model, streamed, n_slots, uva, part, tokens, profile, budget)
+        candidate = placement_of(model, streamed, n_slots, uva, part, tokens, profile, budget, host_bytes,
+                                 strategy)
         if candidate is not None and (best is None or candidate.prediction.ms < best.prediction.ms):
             best = candidate
     if best is not None:
         return best
+    if host_bytes is not None:
+        gpu_only = plan(model, budget, tokens, profile, strategy, max_slots)  # raises if the GPU is the limit
+        need = host_need(model, gpu_only.streamed, gpu_only.uva, gpu_only.part)
+        held = [what for what, there in (("the zero-copy blocks", gpu_only.uva), (
+            "two bounce buffers of the largest streamed group (the disk tier)", gpu_only.streamed)) if there]
+        raise BudgetError(
+            f"cpu_memory={format_size(host_bytes)} cannot hold what the {format_size(budget)} GPU budget "
+            f"leaves off the GPU: {' plus '.join(held)}, at least {format_size(need)} ({need} bytes). Give "
+            "more cpu_memory or gpu_memory"
+            + (", or strategy='stream' (which can leave groups on disk)" if strategy == "uva" else ""),
+            need,
+        )
     largest = max((model.staging(i) for i in range(n)), default=0)
     minimum = model.fixed_bytes + (0 if strategy != "stream" else largest)
     raise BudgetError(

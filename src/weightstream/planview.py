@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .cost import predict
+from .hf import choose_disk_groups
 from .offload import prepare
 from .probe import load_profile
 from .shapes import meta_model
@@ -12,32 +13,46 @@ from .sizes import format_size, parse_size
 
 
 def plan_report(model_name: str, gpu_memory: int | str, tokens: int = 1, strategy: str = "auto",
-                prefill_tokens: int = 2048) -> dict:
+                prefill_tokens: int = 2048, dtype: str | torch.dtype | None = None,
+                cpu_memory: int | str | None = None) -> dict:
     """The placement of `model_name` (built-in shape or local folder) under `gpu_memory`, optimized for
-    `tokens` tokens per forward, with predicted ms for decode (1 token) and prefill; plain data."""
-    model = meta_model(model_name)
+    `tokens` tokens per forward, with predicted ms for decode (1 token) and prefill; plain data.
+
+    dtype: the dtype to plan in (default: a local checkpoint's own, as `from_pretrained` loads it;
+    bfloat16 for a built-in shape). cpu_memory: host memory for the offloaded weights, as for
+    `from_pretrained` (default: no limit). With the same arguments `from_pretrained` gets the same
+    placement."""
+    model = meta_model(model_name, dtype)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    prep = prepare(model, gpu_memory, device, allow_meta=True, strategy=strategy, tokens=tokens)
     profile = load_profile(device)
+    host_bytes = None if cpu_memory is None else parse_size(cpu_memory)
+    prep = prepare(model, gpu_memory, device, allow_meta=True, strategy=strategy, tokens=tokens,
+                   profile=profile, host_bytes=host_bytes)
     p, cost = prep.placement, prep.cost
     predictions = {
         name: predict(cost, p.streamed, p.n_slots, p.uva, n, profile, p.part)
         for name, n in (("decode", 1), (f"prefill_{prefill_tokens}", prefill_tokens))
     }
+    host_limit = None if host_bytes is None else host_bytes - sum(prep.uva_group_bytes)
+    on_disk = choose_disk_groups(prep.group_bytes, host_limit)  # what from_pretrained leaves in the files
     resident_blocks = [i for i in range(len(cost.block_bytes)) if i not in p.streamed and i not in p.uva]
     return {
         "model": model_name,
         "budget_bytes": parse_size(gpu_memory),
         "optimized_for_tokens": tokens,
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "profile": {"gpu": profile.gpu, "h2d_GBps": round(profile.h2d_GBps, 1)},
         "weight_bytes": cost.fixed_bytes + sum(cost.block_bytes),
-        "strategy": p.strategy,
+        "requested_strategy": p.requested_strategy,
+        "placement_kind": p.kind,
         "blocks": len(cost.block_bytes),
         "resident": {"bytes": p.resident_bytes, "blocks": resident_blocks},
         "streamed": {"bytes": sum(cost.streamed_bytes(i, p.part) for i in p.streamed),
                      "blocks": list(p.streamed), "slots": p.n_slots, "slot_bytes": p.slot_bytes,
                      "largest_tensors_per_block": p.part or None},
         "zero_copy": {"bytes": p.uva_bytes, "blocks": list(p.uva)},
+        "disk": {"bytes": sum(cost.streamed_bytes(p.streamed[g], p.part) for g in on_disk),
+                 "blocks": [p.streamed[g] for g in sorted(on_disk)]},
         "gpu_bytes": p.gpu_bytes,
         "predicted": {k: {"ms": round(v.ms, 2), "bound": v.bound, "compute_ms": round(v.compute_ms, 2),
                           "link_ms": round(v.link_ms, 2)} for k, v in predictions.items()},
@@ -50,7 +65,7 @@ def format_report(r: dict) -> str:
         return format_size(n)
 
     lines = [
-        f"{r['model']}: {size(r['weight_bytes'])} of weights in {r['blocks']} blocks; budget "
+        f"{r['model']}: {size(r['weight_bytes'])} of {r['dtype']} weights in {r['blocks']} blocks; budget "
         f"{size(r['budget_bytes'])}; planned for {r['optimized_for_tokens']} token(s) per forward on "
         f"{r['profile']['gpu']} ({r['profile']['h2d_GBps']} GB/s host->GPU)",
         f"{'':12}{'blocks':>8}{'bytes':>14}",
@@ -61,9 +76,16 @@ def format_report(r: dict) -> str:
         + (f"; only each block's {r['streamed']['largest_tensors_per_block']} largest tensors, the rest "
            "of it resident" if r["streamed"]["largest_tensors_per_block"] else ""),
         f"{'zero copy':12}{len(r['zero_copy']['blocks']):>8}{size(r['zero_copy']['bytes']):>14}",
-        f"GPU memory for weights: {size(r['gpu_bytes'])} (strategy: {r['strategy']})",
+        *([f"{'on disk':12}{len(r['disk']['blocks']):>8}{size(r['disk']['bytes']):>14}"
+           "   (streamed, read from the checkpoint files each forward)"] if r["disk"]["blocks"] else []),
+        f"GPU memory for weights: {size(r['gpu_bytes'])} (placement: {r['placement_kind']}, asked for "
+        f"{r['requested_strategy']})",
     ]
     for phase, p in r["predicted"].items():
         lines.append(f"predicted {phase}: {p['ms']:.1f} ms per forward, {p['bound']}-bound "
                      f"(compute {p['compute_ms']:.1f} ms, link {p['link_ms']:.1f} ms)")
+    if r["disk"]["blocks"]:  # the cost model has no disk rate: say what it leaves out
+        lines.append(f"the predictions leave out reading {size(r['disk']['bytes'])} from the checkpoint "
+                     "files every forward (about 2 GB/s from a cold page cache, 6 GB/s from a warm one on "
+                     "the H200 machine)")
     return "\n".join(lines)

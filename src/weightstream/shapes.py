@@ -3,11 +3,13 @@ builds the same shapes with random weights (`bench/shapes.py`)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from torch import nn
+
+from .dtypes import parse_dtype
+from .errors import ArgumentError
 
 SHAPES = {
     "llama-3-8b": dict(
@@ -39,20 +41,22 @@ def shape_config(fields: dict, **extra):
     return AutoConfig.for_model(fields.pop("model_type"), **fields, **extra)
 
 
-def meta_model(name_or_path: str, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
-    """A causal LM with every tensor on the meta device, from a built-in shape name or a local folder
-    holding config.json. Costs no memory; good for planning only."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+def meta_model(name_or_path: str, dtype: torch.dtype | str | None = None) -> nn.Module:
+    """A model with every tensor on the meta device, from a built-in shape name (a causal LM, bf16 by
+    default) or a local checkpoint folder (the class and dtype `from_pretrained` builds: the config's
+    dtype by default). Costs no memory; good for planning only."""
+    from transformers import AutoModelForCausalLM
 
     if name_or_path in SHAPES:
         config = shape_config(SHAPES[name_or_path])
-    elif (Path(name_or_path) / "config.json").is_file():
-        config = AutoConfig.for_model(**json.loads((Path(name_or_path) / "config.json").read_text()))
-    else:
-        raise ValueError(
-            f"{name_or_path!r} is neither a built-in shape ({', '.join(SHAPES)}) nor a folder with "
-            "config.json"
-        )
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    return model.eval().requires_grad_(False)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=parse_dtype(dtype or torch.bfloat16))
+        return model.eval().requires_grad_(False)
+    if (Path(name_or_path) / "config.json").is_file():
+        from .hf import build_model
+
+        return build_model(Path(name_or_path), dtype, on_meta=True)  # the class and dtype a load gets
+    raise ArgumentError(
+        f"{name_or_path!r} is neither a built-in shape ({', '.join(SHAPES)}) nor a folder with "
+        "config.json"
+    )

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import re
 
+from .errors import ArgumentError
+
 _UNITS = {
     "": 1,
     "B": 1,
@@ -23,18 +25,21 @@ def parse_size(size: int | str) -> int:
     """Return a size in bytes from an int (bytes) or a string such as "6GiB", "500MB", "1.5GB".
 
     Decimal units (KB, MB, GB, TB) are powers of 1000; binary units (KiB, MiB, GiB, TiB) powers of 1024.
+    Raises ArgumentError (a ValueError) for anything else.
     """
     if isinstance(size, bool):
-        raise ValueError(f"size must be an int of bytes or a string like '6GiB', got {size!r}")
+        raise ArgumentError(f"size must be an int of bytes or a string like '6GiB', got {size!r}")
     if isinstance(size, int):
-        if size < 0:
-            raise ValueError(f"size must not be negative, got {size}")
+        if not 0 <= size < 2**63:
+            raise ArgumentError(f"size {size} is out of range: give a number of bytes from 0 to 2**63 - 1")
         return size
     if isinstance(size, str):
         match = _SIZE.match(size)
         if match and match.group(2).upper() in _UNITS:
-            return int(float(match.group(1)) * _UNITS[match.group(2).upper()])
-    raise ValueError(
+            value = float(match.group(1)) * _UNITS[match.group(2).upper()]
+            if value < 2**63:  # an int64 byte count; "1e400"-sized strings would be infinite
+                return int(value)
+    raise ArgumentError(
         f"cannot read {size!r} as a size: give an int of bytes or a string like '6GiB', '500MB', '1.5GB'"
     )
 

@@ -23,7 +23,7 @@ def placement_text(handle: OffloadHandle) -> str:
     """One line: the strategy, streamed blocks (and part) / slots, zero-copy blocks."""
     p = handle.placement
     part = f" (each block's {p.part} largest tensors)" if p.part else ""
-    return f"{p.strategy}: {len(p.streamed)} streamed{part} / {p.n_slots} slots, {len(p.uva)} zero copy"
+    return f"{p.kind}: {len(p.streamed)} streamed{part} / {p.n_slots} slots, {len(p.uva)} zero copy"
 
 
 def prediction(handle: OffloadHandle) -> dict | None:

@@ -1,0 +1,199 @@
+"""Everything a user does with an offloaded model besides calling it: the true weights, or a clear no.
+
+A streamed tensor is a permanent view of a staging slot that several groups share, so between forwards
+it holds whichever group was copied last. Without these guards `state_dict()` (and so `torch.save`,
+`save_pretrained`), `parameters()` and `deepcopy` would hand out slot contents without a word.
+So, on every module of an offloaded model:
+- `state_dict()` gives each tensor kept off the GPU (streamed or zero copy) as its true bytes: a CPU
+  view of its host arena region, or read from the checkpoint for a group on disk. Host tensors, not
+  zero-copy device views: those would dangle once `restore()` unpins the arena, and the arena's
+  memory itself lives as long as any view of it. `named_parameters()`/`parameters()`/
+  `named_buffers()`/`buffers()` give the same in place of the slot views, except while torch.compile
+  traces (the graph must read the slots);
+- `copy.deepcopy`, pickling (`torch.save(model)`) and `load_state_dict` refuse: they would copy or
+  overwrite slots;
+- `train()` and `requires_grad_(True)` refuse, and so does autograd through the schedule ops (a weight
+  saved for backward would be overwritten by the next group's copy): inference only.
+`offload` turns gradients off and puts the model in eval mode itself; `restore` puts both back. All of
+this is instance attributes and the ops' autograd rule: nothing on the forward path changes, so
+torch.compile(fullgraph=True) and CUDA graphs see what they saw before.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from . import ops
+from .checkpoint import read_into
+from .errors import InferenceOnlyError, OffloadStateError
+
+INFERENCE_ONLY = (
+    "an offloaded model is for inference only: its streamed weights are views of staging buffers that "
+    "the next group's copy overwrites, so {what} cannot work. Run under torch.no_grad() or "
+    "torch.inference_mode() with gradients off, or call handle.restore() to get a trainable model back"
+)
+
+
+class ModelGuards:
+    """The guards of one offloaded model; `remove()` takes them all off again (from `restore`)."""
+
+    def __init__(self, handle) -> None:
+        self.handle = handle
+        model = handle.model
+        self.modules = list(model.modules())
+        self.training = [m.training for m in self.modules]
+        self.grads = [p for p in model.parameters() if p.requires_grad]
+        self._true = self._true_tensors()
+        self._hooks = []
+        for p in self.grads:
+            p.requires_grad_(False)
+        model.eval()
+        sites = {}
+        for entry, _, _ in self._off_gpu():
+            for site in entry.sites:
+                sites.setdefault(id(site.module), (site.module, []))[1].append((site.name, entry))
+        for module, names in sites.values():
+            self._hooks.append(module.register_state_dict_post_hook(self._state_dict_hook(names)))
+        for module in self.modules:
+            for name, method in _PATCHES.items():
+                module.__dict__[name] = types.MethodType(method, module)  # past nn.Module.__setattr__
+            module.__dict__["_ws_guards"] = self
+
+    def _off_gpu(self):
+        """(entry, arena region, slice) of every tensor kept off the GPU: the streamed groups' (regions
+        0..), then the zero-copy groups' (after them, as in the arena)."""
+        for g, group in enumerate(self.handle._groups + self.handle._uva_groups):
+            for entry, sl in group:
+                yield entry, g, sl
+
+    def _true_tensors(self) -> dict[int, tuple]:
+        return {id(entry.tensor): (entry, g, sl) for entry, g, sl in self._off_gpu()}
+
+    def true_value(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The true weights of `tensor` as a CPU tensor when it is kept off the GPU (streamed or zero
+        copy), else `tensor` itself."""
+        found = self._true.get(id(tensor))
+        if found is None:
+            return tensor
+        entry, g, sl = found
+        transfer = self.handle._transfer
+        if g < len(self.handle._groups) and transfer.on_disk(g):
+            stored = next(st for st, s in transfer.disk.groups[g] if s.offset == sl.offset)
+            raw = torch.empty(sl.nbytes, dtype=torch.uint8)
+            read_into(stored, raw)
+            return entry.view_of(raw)
+        return entry.view_of(self.handle._arena.region(g)[sl.offset : sl.offset + sl.nbytes])
+
+    def _state_dict_hook(self, names):
+        def hook(module, state_dict, prefix, local_metadata):
+            for name, entry in names:
+                if prefix + name in state_dict:
+                    state_dict[prefix + name] = self.true_value(entry.tensor)
+        return hook
+
+    def remove(self) -> None:
+        """Take every guard off, give each parameter its `requires_grad` back and each module its
+        training mode."""
+        for hook in self._hooks:
+            hook.remove()
+        for module in self.modules:
+            for name in (*_PATCHES, "_ws_guards"):
+                module.__dict__.pop(name, None)
+        for p in self.grads:
+            p.requires_grad_(True)
+        for module, training in zip(self.modules, self.training, strict=True):
+            module.training = training
+
+
+def live_parameters(module: nn.Module) -> list[nn.Parameter]:
+    """The parameters of `module` as its forward reads them: for an offloaded model the streamed ones
+    are the staging-slot views, whose contents are not the weights between forwards. For tests and
+    tools that inspect the engine; `parameters()` gives the true weights."""
+    return [p for _, p in nn.Module.named_parameters(module)]
+
+
+def _guarded_train(self, mode: bool = True):
+    if mode:
+        raise InferenceOnlyError(INFERENCE_ONLY.format(what="train()"))
+    return nn.Module.train(self, False)
+
+
+def _guarded_requires_grad(self, requires_grad: bool = True):
+    if requires_grad:
+        raise InferenceOnlyError(INFERENCE_ONLY.format(what="requires_grad_(True)"))
+    for p in live_parameters(self):  # the live tensors, not the true-weight copies parameters() gives
+        p.requires_grad_(False)
+    return self
+
+
+def _true_members(self, members: Iterator[tuple[str, torch.Tensor]], is_param: bool):
+    guards = self.__dict__["_ws_guards"]
+    for name, tensor in members:
+        value = guards.true_value(tensor)
+        if value is not tensor and is_param:
+            value = nn.Parameter(value, requires_grad=False)
+        yield name, value
+
+
+def _guarded_named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+    members = nn.Module.named_parameters(self, prefix, recurse, remove_duplicate)
+    if torch.compiler.is_compiling():
+        return members
+    return _true_members(self, members, True)
+
+
+def _guarded_named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+    members = nn.Module.named_buffers(self, prefix, recurse, remove_duplicate)
+    if torch.compiler.is_compiling():
+        return members
+    return _true_members(self, members, False)
+
+
+def _guarded_load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+    raise OffloadStateError(
+        f"{type(self).__name__} is offloaded by weightstream: load_state_dict would write into staging "
+        "buffers that the next copy overwrites. Call handle.restore() first, load, then offload again"
+    )
+
+
+def _guarded_deepcopy(self, memo):
+    raise OffloadStateError(
+        f"{type(self).__name__} is offloaded by weightstream: a deep copy would share or duplicate its "
+        "staging buffers and stream wrong weights. Deep-copy the model before offload(), or call "
+        "handle.restore() first; model.state_dict() gives the true weights"
+    )
+
+
+def _guarded_reduce_ex(self, protocol):
+    raise OffloadStateError(
+        f"{type(self).__name__} is offloaded by weightstream: pickling it (torch.save(model)) would save "
+        "staging buffers, not its weights. Save model.state_dict() (true weights) or save_pretrained(), "
+        "or call handle.restore() first"
+    )
+
+
+_PATCHES = {
+    "train": _guarded_train,
+    "requires_grad_": _guarded_requires_grad,
+    "named_parameters": _guarded_named_parameters,  # parameters() calls it
+    "named_buffers": _guarded_named_buffers,  # buffers() calls it
+    "load_state_dict": _guarded_load_state_dict,
+    "__deepcopy__": _guarded_deepcopy,
+    "__reduce_ex__": _guarded_reduce_ex,
+}
+
+
+def _no_autograd(ctx, inputs, output) -> None:
+    raise InferenceOnlyError(INFERENCE_ONLY.format(what="autograd through streamed blocks"))
+
+
+def _unreachable_backward(ctx, grad):  # setup_context always raises first
+    raise InferenceOnlyError(INFERENCE_ONLY.format(what="backward()"))
+
+
+for _op in (ops.wait, ops.release):
+    _op.register_autograd(_unreachable_backward, setup_context=_no_autograd)
