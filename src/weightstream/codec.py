@@ -218,7 +218,11 @@ def _encode_tensor(tensor: torch.Tensor, coding: Coding) -> _Planes:
 @dataclass(frozen=True)
 class EncodedGroup:
     """A group's bytes on the wire: `blob` (uint8, header included) decodes into `raw_bytes` bytes of
-    the group's layout. `chunks` is the number of GPU programs that decode it."""
+    the group's layout. `chunks` is the number of GPU programs that decode it.
+
+    Blob layout (int64 words, then 16-byte aligned planes): MAGIC, segments S, chunks K, raw bytes;
+    K chunk words (escape list start, absolute byte offset | segment << 40); S segment rows of 8
+    (kind, n, dst, raw/code/extra/escape offsets, k | base << 8 | first chunk << 24); the planes."""
 
     blob: torch.Tensor
     raw_bytes: int
@@ -269,7 +273,7 @@ def encode_group(tensors: list[tuple[torch.Tensor, int]], raw_bytes: int,
     blob = torch.zeros(cursor, dtype=torch.uint8)
     words = blob[:header].view(torch.int64)
     words[:HEADER_WORDS] = torch.tensor([MAGIC, len(segments), cursor_chunks, raw_bytes])
-    chunk_words = words[HEADER_WORDS + SEGMENT_WORDS * len(segments):]
+    chunk_words = words[HEADER_WORDS : HEADER_WORDS + cursor_chunks]
     for s, ((coding, n, dst, planes, first), starts) in enumerate(zip(segments, offsets, strict=True)):
         params = coding.k | coding.base << 8 | first << 24
         if coding.kind == RAW:
@@ -288,7 +292,7 @@ def encode_group(tensors: list[tuple[torch.Tensor, int]], raw_bytes: int,
             counts = planes.counts.cpu()
             esc_start = esc_off + torch.cumsum(counts, 0) - counts
             chunk_words[first : first + counts.numel()] = esc_start | (s << 40)
-        base = HEADER_WORDS + SEGMENT_WORDS * s
+        base = HEADER_WORDS + cursor_chunks + SEGMENT_WORDS * s
         words[base : base + SEGMENT_WORDS] = torch.tensor(row)
     return EncodedGroup(blob, raw_bytes, cursor_chunks)
 
@@ -299,7 +303,8 @@ def read_header(blob: torch.Tensor) -> tuple[int, list[list[int]]]:
     head = blob[: 8 * HEADER_WORDS].cpu().view(torch.int64).tolist()
     if head[0] != MAGIC:
         raise ValueError("not a weightstream codec blob (bad magic)")
-    segs = blob[8 * HEADER_WORDS : 8 * (HEADER_WORDS + SEGMENT_WORDS * head[1])].cpu().view(torch.int64)
+    start = HEADER_WORDS + head[2]
+    segs = blob[8 * start : 8 * (start + SEGMENT_WORDS * head[1])].cpu().view(torch.int64)
     return head[3], segs.view(-1, SEGMENT_WORDS).tolist()
 
 
