@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-CHUNK = 7680  # values per chunk: a multiple of 4 * rows for every row count (16, 8, 5, 4) and of 8
+CHUNK = 2560  # values per chunk: a multiple of 4 * rows for every row count (16, 8, 5, 4) and of 8
 RAW_CHUNK = 2 * CHUNK  # bytes per chunk of a raw segment
 MAX_RATIO = 0.95  # a tensor whose coded size exceeds this share of its bytes passes raw
 MAGIC = 0x3156435357  # "WSCV1"
@@ -61,12 +61,18 @@ def _exponents(words: torch.Tensor, kind: int) -> torch.Tensor:
 
 
 def coded_bytes(n: int, kind: int, k: int, escapes: int) -> int:
-    """Bytes of `n` values coded at k bits with `escapes` escapes (planes padded to whole chunks)."""
+    """Bytes of `n` values coded at k bits with `escapes` escapes: planes padded to whole chunks, and
+    the tensor's share of the header."""
     chunks = -(-n // CHUNK)
     size = _align(chunks * CHUNK) + _align(chunks * CHUNK // rows(k) * 2) + _align(escapes)
     if kind == FP16:
         size += _align(chunks * CHUNK // rows(3) * 2)
-    return size
+    return size + 8 * (chunks + SEGMENT_WORDS)  # its chunk words and segment row in the header
+
+
+def raw_bytes_on_wire(nbytes: int) -> int:
+    """Bytes of a tensor of `nbytes` passed raw: its bytes (aligned) and its share of the header."""
+    return _align(nbytes) + 8 * (-(-nbytes // RAW_CHUNK) + SEGMENT_WORDS)
 
 
 def choose(tensor: torch.Tensor, sample: int = 1 << 20) -> Coding:
@@ -76,14 +82,14 @@ def choose(tensor: torch.Tensor, sample: int = 1 << 20) -> Coding:
     kind = KINDS.get(tensor.dtype, RAW)
     n = tensor.numel()
     if kind == RAW or n < 64 or tensor.is_meta:
-        return Coding(RAW, nbytes=n * tensor.element_size())
+        return Coding(RAW, nbytes=raw_bytes_on_wire(n * tensor.element_size()))
     flat = tensor.detach().reshape(-1)
     flat = flat[: n // 4 * 4].view(torch.int64)
     flat = flat[:: max(1, flat.numel() * 4 // sample)]
     lanes = _exponents(flat, kind).view(torch.int16)
     hist = torch.bincount(lanes.to(torch.int32), minlength=256)[:256].to(torch.float64).cpu()
     total = float(hist.sum())
-    best = Coding(RAW, nbytes=2 * n)
+    best = Coding(RAW, nbytes=raw_bytes_on_wire(2 * n))
     window = torch.cat([hist, hist[:15]])  # bases near 255 may wrap (the offsets are mod 256)
     for k in range(1, 5):
         cover = window.unfold(0, 2**k - 1, 1).sum(1)[:256]
@@ -92,7 +98,7 @@ def choose(tensor: torch.Tensor, sample: int = 1 << 20) -> Coding:
         size = coded_bytes(n, kind, k, escapes)
         if size < best.nbytes:
             best = Coding(kind, k, base, size)
-    return best if best.nbytes <= MAX_RATIO * 2 * n else Coding(RAW, nbytes=2 * n)
+    return best if best.nbytes <= MAX_RATIO * 2 * n else Coding(RAW, nbytes=raw_bytes_on_wire(2 * n))
 
 
 @dataclass
@@ -106,7 +112,7 @@ class _Planes:
 
 # chunks coded at once: on a CPU 240 KB of int64 words per buffer stays in cache; on a GPU fewer,
 # larger launches
-_BLOCK = {"cpu": 16, "cuda": 1024}
+_BLOCK = {"cpu": 48, "cuda": 3072}
 _SHIFTS = (0, 16, 32, 48)
 
 
@@ -148,7 +154,7 @@ def _encode_block(words: torch.Tensor, coding: Coding, raw_out: torch.Tensor, co
     torch.add(d, (256 - esc) * _L, out=g)
     g >>= 8
     g &= _L  # 1 in the lanes that escape (offset >= esc)
-    lane_sums = g.sum(1)  # per chunk, each lane's escapes in its own 16 bits (at most 1920)
+    lane_sums = g.sum(1)  # per chunk, each lane's escapes in its own 16 bits (at most CHUNK / 4)
     counts = sum((lane_sums >> sh) & 0xFFFF for sh in _SHIFTS)
     hit = g.view(-1).nonzero().squeeze(1)
     lane_d = (d.view(-1)[hit, None] >> s.shifts) & 0xFF

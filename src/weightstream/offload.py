@@ -17,6 +17,7 @@ from torch import nn
 
 from . import ops
 from .blocks import find_blocks
+from .codec import choose
 from .cost import ModelCost, largest
 from .disk import DiskTier
 from .errors import OffloadStateError, WeightstreamError
@@ -26,8 +27,8 @@ from .plan import Placement, plan
 from .probe import load_profile
 from .schedule import Schedule
 from .sizes import format_size, parse_size
-from .transfer import CudaTransfer, SyncTransfer
 from .uva import uva_view
+from .wire import encode_groups, fill_arena, make_transfer
 
 _HANDLE_ATTR = "_weightstream_handle"
 
@@ -81,6 +82,13 @@ class OffloadStats:
     fetches: int
     strategy: str
     predicted_ms: float | None
+    wire_bytes: int = 0  # bytes a forward moves over the link for the streamed groups (compressed or not)
+    wire_raw_bytes: int = 0  # the same groups' bytes in their layout (what the slots receive)
+
+    @property
+    def wire_ratio(self) -> float:
+        """Wire bytes over raw bytes of the streamed groups (1.0 when nothing is compressed)."""
+        return self.wire_bytes / self.wire_raw_bytes if self.wire_raw_bytes else 1.0
 
     def __str__(self) -> str:
         return (
@@ -89,7 +97,9 @@ class OffloadStats:
             f"zero copy {format_size(self.uva_bytes)}, "
             f"staging {format_size(self.staging_bytes)} in {self.slots} slots, "
             f"pinned {format_size(self.pinned_bytes)}, read from disk {format_size(self.disk_bytes)}; "
-            f"{self.copies} async copies, {self.fetches} sync fetches; strategy {self.strategy}"
+            f"{self.copies} async copies, {self.fetches} sync fetches; strategy {self.strategy}; "
+            f"wire {format_size(self.wire_bytes)} of {format_size(self.wire_raw_bytes)} "
+            f"(ratio {self.wire_ratio:.3f})"
         )
 
 
@@ -201,10 +211,10 @@ class OffloadHandle:
         self._arena = arena
         self._slots = slots
         self._schedule = Schedule(len(prep.groups), prep.placement.n_slots)
-        cuda = prep.device.type == "cuda"
-        self._transfer = (
-            CudaTransfer(arena, slots, prep.device, disk, pin) if cuda else SyncTransfer(arena, slots, disk)
-        )
+        self._wire = prep.wire or [None] * len(prep.groups)
+        self._group_bytes = prep.group_bytes
+        self._transfer = make_transfer(arena, slots, prep.device, disk, pin, prep.wire,
+                                       prep.placement.landing_bytes)
         self._warned = False
         self._streamed_modules: list[nn.Module] = []
         self._patched: list[nn.Module] = []
@@ -259,6 +269,9 @@ class OffloadHandle:
             fetches=self._schedule.fetches,
             strategy=p.strategy,
             predicted_ms=p.prediction.ms if p.prediction else None,
+            wire_bytes=sum(enc.wire_bytes if enc else size
+                           for enc, size in zip(self._wire, self._group_bytes, strict=True)),
+            wire_raw_bytes=sum(self._group_bytes),
         )
 
     def restore(self, device: str | torch.device | None = None) -> nn.Module:
@@ -279,9 +292,7 @@ class OffloadHandle:
         object.__delattr__(self.model, _HANDLE_ATTR)
         self._transfer.close()
         for g, group in enumerate(self._groups + self._uva_groups):
-            region = self._arena.region(g)
-            if g < len(self._groups) and self._transfer.on_disk(g):
-                region = self._transfer.disk.load(g)
+            region = self._transfer.raw_group(g) if g < len(self._groups) else self._arena.region(g)
             for entry, sl in group:
                 raw = region[sl.offset : sl.offset + sl.nbytes]
                 value = entry.view_of(raw).to(target, copy=True)
@@ -396,6 +407,7 @@ class Prepared:
     uva_groups: list[list[tuple[Entry, Slice]]]  # zero-copy blocks
     uva_group_bytes: list[int]
     cost: ModelCost
+    wire: list | None = None  # each streamed group's codec.EncodedGroup (None: raw); None: nothing coded
 
     @property
     def host_groups(self) -> list[list[tuple[Entry, Slice]]]:
@@ -408,19 +420,21 @@ class Prepared:
 
 
 def model_cost(entries: list[Entry], per_block: list[list[Entry]], slot_bytes: list[int], width: int = 0,
-               routing: tuple[int, int] = (0, 0)) -> ModelCost:
+               routing: tuple[int, int] = (0, 0), wire: bool = False) -> ModelCost:
     """The cost model's view of a model: fixed bytes, LM head bytes, each block's streamable bytes and
     staging footprint, the blocks' activation width (0 when unknown) and, for a mixture of experts with
     `routing` = (experts, experts per token), each block's bytes of routed experts: its 3-D tensors
-    whose first dimension is the expert."""
+    whose first dimension is the expert. `wire`: also each tensor's predicted compressed size
+    (codec.choose, from a sample of its exponents)."""
     outside = [e.nbytes for e in entries if e.owner is None]
     block_bytes = tuple(sum(e.nbytes for e in group) for group in per_block)
     tensor_bytes = tuple(tuple(e.nbytes for e in group) for group in per_block)
     experts, top_k = routing
     routed = tuple(sum(e.nbytes for e in group if len(e.shape) == 3 and e.shape[0] == experts)
                    for group in per_block) if experts else ()
+    tensor_wire = tuple(tuple(choose(e.tensor).nbytes for e in group) for group in per_block) if wire else ()
     return ModelCost(sum(outside), max(outside, default=0), block_bytes, tuple(slot_bytes), width,
-                     tensor_bytes, routed if any(routed) else (), experts, top_k)
+                     tensor_bytes, routed if any(routed) else (), experts, top_k, tensor_wire)
 
 
 def expert_routing(model: nn.Module) -> tuple[int, int]:
@@ -450,12 +464,13 @@ def prepare(
     strategy: str = "auto",
     tokens: int = 1,
     pin_memory: bool = True,
+    compress: bool | str = False,
 ) -> Prepared:
     """Check the model and plan what stays on `device`, what streams and what is read in place
     (zero copy); moves nothing yet.
 
     allow_meta: accept parameters on the meta device (a model built empty, to be filled from a
-    checkpoint straight into its final places). strategy, tokens: see `offload`.
+    checkpoint straight into its final places). strategy, tokens, compress: see `offload`.
     """
     budget = parse_size(gpu_memory)
     device = _resolve_device(device)
@@ -475,9 +490,13 @@ def prepare(
         raise ValueError(f"tokens={tokens}: give the tokens per forward to optimize for, at least 1")
     if strategy == "uva" and device.type == "cuda" and not pin_memory:
         raise ValueError("strategy='uva' reads pinned host memory in place: it needs pin_memory=True")
+    if compress not in (True, False, "auto"):
+        raise ValueError(f"compress={compress!r}: choose True, False or 'auto'")
+    if compress == "auto" and device.type != "cuda":
+        compress = False  # no link to save on the CPU backend
     cost = model_cost(entries, per_block, [size for _, size in layouts], activation_width(model),
-                      expert_routing(model))
-    placement = plan(cost, budget, tokens, load_profile(device), strategy)
+                      expert_routing(model), wire=compress is not False and not allow_meta)
+    placement = plan(cost, budget, tokens, load_profile(device), strategy, compress=compress)
 
     def grouped(indices, part=0):
         """Each block's (entry, slice) pairs and region size: its `part` largest tensors (0: all)."""
@@ -570,6 +589,7 @@ def offload(
     blocks: list[str] | None = None,
     strategy: str = "auto",
     tokens: int = 1,
+    compress: bool | str = False,
 ) -> OffloadHandle:
     """Offload `model` in place so its weights take at most `gpu_memory` on `device`; return the handle.
 
@@ -585,17 +605,32 @@ def offload(
         staging slots ahead of use) or "uva" (kernels read blocks in place from pinned host memory,
         no staging memory).
     tokens: tokens per forward to plan for (1 = batch-1 decode; 2048 for such a prefill).
+    compress: stream bf16/fp16 groups losslessly compressed (`codec.py`, about 0.71 of the bytes for
+        Hugging Face-initialized bf16 weights) and decode them on the GPU into the slots: True, False
+        (the default) or "auto" (when the planner predicts it faster; never on the CPU backend).
+        Outputs stay bit-identical; landing buffers for the compressed bytes count in `gpu_memory`.
     """
     prep = prepare(model, gpu_memory, device, blocks, strategy=strategy, tokens=tokens,
-                   pin_memory=pin_memory)
+                   pin_memory=pin_memory, compress=compress)
     pin = pin_memory and prep.device.type == "cuda"
-    arena = HostArena(prep.host_group_bytes, pin=pin)
-    places = final_places(prep, arena, keep_on_device=True)
+    sizes, coded = prep.host_group_bytes, frozenset()
+    if prep.placement.compressed:
+        prep.wire = encode_groups(prep.groups, prep.group_bytes, prep.placement.landing_bytes, prep.device)
+        sizes = [enc.wire_bytes if enc else size
+                 for enc, size in zip(prep.wire, prep.group_bytes, strict=True)] + prep.uva_group_bytes
+        coded = frozenset(g for g, enc in enumerate(prep.wire) if enc is not None)
+    arena = HostArena(sizes, pin=pin)
+    if prep.wire:
+        prep.wire = fill_arena(arena, prep.wire)
+    places = final_places(prep, arena, keep_on_device=True, disk_groups=coded)  # coded: in the blobs
     streamed = {id(e) for group in prep.host_groups for e, _ in group}
     # Off-device tensors first, each old storage dropped at once, so a model already on the GPU never
     # holds more than it did before; then the resident ones that must move to the device.
     for entry in sorted(prep.entries, key=lambda e: id(e) not in streamed):
-        target = places[id(entry)]
+        target = places.get(id(entry))
+        if target is None:  # its group is compressed: its bytes are in the arena's blob already
+            _set_tensor(entry, torch.empty(0, dtype=entry.dtype))
+            continue
         if target.device == entry.tensor.device and target.data_ptr() == entry.tensor.data_ptr():
             continue  # already in its final place
         target.copy_(entry.tensor.detach())

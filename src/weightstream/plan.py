@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from .cost import ModelCost, Prediction, predict
 from .errors import BudgetError
+from .layout import align_up
 from .probe import MachineProfile
 from .sizes import format_size
 
@@ -42,11 +43,17 @@ class Placement:
     uva_bytes: int = 0
     prediction: Prediction | None = None
     part: int = 0  # each streamed block streams its `part` largest tensors (cost.largest); 0: all of it
+    landing_bytes: int = 0  # compressed groups: each slot's GPU landing buffer; 0: groups stream raw
+
+    @property
+    def compressed(self) -> bool:
+        """True when streamed groups cross the link compressed (codec.py) and are decoded on the GPU."""
+        return self.landing_bytes > 0
 
     @property
     def staging_bytes(self) -> int:
-        """GPU bytes taken by the staging slots."""
-        return self.n_slots * self.slot_bytes
+        """GPU bytes taken by the staging slots and, for compressed groups, their landing buffers."""
+        return self.n_slots * (self.slot_bytes + self.landing_bytes)
 
     @property
     def gpu_bytes(self) -> int:
@@ -58,6 +65,13 @@ class Placement:
         """"resident", "stream", "uva" or "mix": what the placement does with the blocks off the GPU."""
         return {(False, False): "resident", (True, False): "stream", (False, True): "uva"}.get(
             (bool(self.streamed), bool(self.uva)), "mix")
+
+
+def _landing(model: ModelCost, streamed: tuple[int, ...], part: int) -> int:
+    """Bytes of a landing buffer for the compressed groups of `streamed`: the largest predicted wire
+    size plus 1%, so a group whose real size exceeds the prediction is rare (it streams raw)."""
+    largest_wire = max(model.wire_bytes(i, part) for i in streamed)
+    return align_up(int(largest_wire * 1.01) + 1)
 
 
 def spread(n: int, k: int) -> tuple[int, ...]:
@@ -93,15 +107,31 @@ def plan(
     profile: MachineProfile | None = None,
     strategy: str = "auto",
     max_slots: int = 2,
+    compress: bool | str = False,
 ) -> Placement:
     """The fastest placement of `model` whose weights fit in `budget` bytes of GPU memory.
 
     tokens: tokens per forward to optimize for (1 for batch-1 decode, 2048 for such a prefill).
     strategy: "stream" (resident or streamed blocks), "uva" (resident or zero-copy blocks) or "auto"
         (either, or a mix, whichever the cost model predicts fastest).
+    compress: True streams groups compressed (landing buffers count as staging) wherever a compressed
+        placement fits, False raw, "auto" whichever predicts faster; needs `model.tensor_wire`
+        (without it groups stream raw).
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy={strategy!r}: choose one of {', '.join(STRATEGIES)}")
+    if compress not in (True, False, "auto"):
+        raise ValueError(f"compress={compress!r}: choose True, False or 'auto'")
+    # compress=True still falls back to raw groups where no compressed placement fits the budget
+    options = (False, True) if model.tensor_wire and compress is not False else (False,)
+
+    def better(a: Placement, b: Placement | None) -> bool:
+        if b is None:
+            return True
+        if compress is True and a.compressed != b.compressed:
+            return a.compressed
+        return a.prediction.ms < b.prediction.ms
+
     if profile is None:
         from .probe import H200 as profile
     n, sizes = len(model.block_bytes), model.block_bytes
@@ -113,13 +143,15 @@ def plan(
         resident = model.fixed_bytes + sum(b for i, b in enumerate(sizes) if i not in off)
         resident += sum(sizes[i] - model.streamed_bytes(i, part) for i in streamed)
         slot = max((model.staging(i, part) for i in streamed), default=0)
-        if resident + n_slots * slot > budget:
-            continue
-        prediction = predict(model, streamed, n_slots, uva, tokens, profile, part)
-        if best is None or prediction.ms < best.prediction.ms:
-            uva_bytes = sum(sizes[i] for i in uva)
-            best = Placement(streamed, n_slots, slot, resident, total - resident, uva, uva_bytes, prediction,
-                             part)
+        for compressed in options if streamed else (False,):
+            landing = _landing(model, streamed, part) if compressed else 0
+            if resident + n_slots * (slot + landing) > budget or landing > 0.95 * slot:
+                continue  # over budget, or groups that would not shrink (they would stream raw)
+            prediction = predict(model, streamed, n_slots, uva, tokens, profile, part, compressed)
+            candidate = Placement(streamed, n_slots, slot, resident, total - resident, uva,
+                                  sum(sizes[i] for i in uva), prediction, part, landing)
+            if better(candidate, best):
+                best = candidate
     if best is not None:
         return best
     largest = max((model.staging(i) for i in range(n)), default=0)

@@ -39,6 +39,9 @@ class MachineProfile:
     uva: dict[int, float]
     # tokens -> seconds per block per unit of activation width, beyond its GEMM time ({}: none known)
     block_extra: dict[int, float] = field(default_factory=dict)
+    # GPU decode of compressed groups (codec_triton), seconds per decoded byte; the default (300 GB/s)
+    # stands in where it was not measured
+    decode_s_per_byte: float = 1 / 300e9
 
     @property
     def h2d_GBps(self) -> float:
@@ -47,6 +50,10 @@ class MachineProfile:
     def copy_seconds(self, nbytes: int) -> float:
         """Seconds to copy nbytes host->GPU."""
         return nbytes * self.copy_s_per_byte
+
+    def decode_seconds(self, nbytes: int) -> float:
+        """Seconds to decode compressed groups into nbytes of slot on the GPU."""
+        return nbytes * self.decode_s_per_byte
 
     def resident_seconds(self, nbytes: int, tokens: int) -> float:
         """Seconds for GEMMs over nbytes of resident weights at `tokens` tokens per forward."""
@@ -131,7 +138,20 @@ def measure(device: torch.device | str = "cuda", progress: bool = True) -> Machi
                   f"{1e-9 / uva[m]:6.1f} GB/s", flush=True)
     profile = MachineProfile(torch.cuda.get_device_name(device), copy_s_per_byte, resident, uva)
     extra = block_extra(profile, device, progress)
-    return MachineProfile(profile.gpu, copy_s_per_byte, resident, uva, extra)
+    decode = decode_seconds_per_byte(device, progress)
+    return MachineProfile(profile.gpu, copy_s_per_byte, resident, uva, extra, decode)
+
+
+def decode_seconds_per_byte(device: torch.device, progress: bool = False) -> float:
+    """The codec's GPU decode time per output byte (Triton); the default where Triton is missing."""
+    try:
+        from .codec_triton import decode_seconds_per_byte as measure_decode
+    except ImportError:
+        return MachineProfile.decode_s_per_byte
+    seconds = measure_decode(device)
+    if progress:
+        print(f"  codec decode: {1e-9 / seconds:8.1f} GB/s of decoded weights", flush=True)
+    return seconds
 
 
 # The reference block: Llama-3-8B's decoder layer (width 4096, 32 query and 8 key/value heads of 128,
