@@ -153,3 +153,15 @@ def test_gpu_compressed_compiled_is_exact():
                 ids = ids_for(seed, device="cuda")
                 assert torch.equal(cmodel(ids).logits, cref(ids).logits)
     torch._dynamo.reset()
+
+
+def test_plan_report_shows_the_wire_for_a_meta_model():
+    from weightstream.planview import format_report, plan_report
+
+    raw = plan_report("llama-3-8b", "4GiB", strategy="stream")
+    coded = plan_report("llama-3-8b", "4GiB", strategy="stream", compress=True)
+    assert not raw["wire"]["compressed"] and coded["wire"]["compressed"]
+    assert coded["wire"]["bytes"] <= 0.75 * coded["streamed"]["bytes"]  # predicted from HF-init weights
+    assert coded["gpu_bytes"] <= 4 << 30
+    assert coded["predicted"]["decode"]["ms"] < 0.85 * raw["predicted"]["decode"]["ms"]
+    assert "compressed (ratio" in format_report(coded)

@@ -40,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--tokens", type=int, default=1, help="tokens per forward to plan for (default 1)")
     plan.add_argument("--strategy", default="auto", choices=["auto", "stream", "uva"])
     plan.add_argument("--json", action="store_true", help="print JSON for tools")
+    plan.add_argument("--compress", default="false", choices=["auto", "true", "false"],
+                      help="stream groups losslessly compressed (default false)")
     args = parser.parse_args(argv)
 
     if args.command == "demo":
@@ -57,7 +59,8 @@ def main(argv: list[str] | None = None) -> int:
         from .planview import format_report, plan_report
 
         try:
-            report = plan_report(args.model, args.gpu_memory, args.tokens, args.strategy)
+            compress = {"auto": "auto", "true": True, "false": False}[args.compress]
+            report = plan_report(args.model, args.gpu_memory, args.tokens, args.strategy, compress=compress)
         except (BudgetError, ValueError) as err:
             print(f"weightstream plan: {err}", file=sys.stderr)
             return 1

@@ -77,8 +77,9 @@ def decode(blob: torch.Tensor, out: torch.Tensor, chunks: int) -> None:
     longer) into `out` (CUDA uint8, the group's layout) on the current stream. `chunks` is the
     group's `EncodedGroup.chunks`. No host synchronization: safe inside CUDA-graph capture."""
     if chunks:
-        _decode_kernel[(chunks,)](blob, out, CHUNK=codec.CHUNK, RAW_CHUNK=codec.RAW_CHUNK, BLOCK=_BLOCK,
-                                  HEADER_WORDS=codec.HEADER_WORDS, SEGMENT_WORDS=codec.SEGMENT_WORDS)
+        with torch.cuda.device(out.device):
+            _decode_kernel[(chunks,)](blob, out, CHUNK=codec.CHUNK, RAW_CHUNK=codec.RAW_CHUNK, BLOCK=_BLOCK,
+                                      HEADER_WORDS=codec.HEADER_WORDS, SEGMENT_WORDS=codec.SEGMENT_WORDS)
 
 
 def decode_seconds_per_byte(device: torch.device, nbytes: int = 256 << 20) -> float:

@@ -492,10 +492,10 @@ def prepare(
         raise ValueError("strategy='uva' reads pinned host memory in place: it needs pin_memory=True")
     if compress not in (True, False, "auto"):
         raise ValueError(f"compress={compress!r}: choose True, False or 'auto'")
-    if compress == "auto" and device.type != "cuda":
-        compress = False  # no link to save on the CPU backend
+    if compress == "auto" and device.type != "cuda" and not allow_meta:
+        compress = False  # no link to save on the CPU backend (a plan from sizes alone keeps "auto")
     cost = model_cost(entries, per_block, [size for _, size in layouts], activation_width(model),
-                      expert_routing(model), wire=compress is not False and not allow_meta)
+                      expert_routing(model), wire=compress is not False)
     placement = plan(cost, budget, tokens, load_profile(device), strategy, compress=compress)
 
     def grouped(indices, part=0):

@@ -12,16 +12,18 @@ from .sizes import format_size, parse_size
 
 
 def plan_report(model_name: str, gpu_memory: int | str, tokens: int = 1, strategy: str = "auto",
-                prefill_tokens: int = 2048) -> dict:
+                prefill_tokens: int = 2048, compress: bool | str = False) -> dict:
     """The placement of `model_name` (built-in shape or local folder) under `gpu_memory`, optimized for
-    `tokens` tokens per forward, with predicted ms for decode (1 token) and prefill; plain data."""
+    `tokens` tokens per forward, with predicted ms for decode (1 token) and prefill; plain data.
+    compress: as for `offload` (wire sizes predicted from Hugging Face-initialized weights' ratio)."""
     model = meta_model(model_name)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    prep = prepare(model, gpu_memory, device, allow_meta=True, strategy=strategy, tokens=tokens)
+    prep = prepare(model, gpu_memory, device, allow_meta=True, strategy=strategy, tokens=tokens,
+                   compress=compress)
     profile = load_profile(device)
     p, cost = prep.placement, prep.cost
     predictions = {
-        name: predict(cost, p.streamed, p.n_slots, p.uva, n, profile, p.part)
+        name: predict(cost, p.streamed, p.n_slots, p.uva, n, profile, p.part, p.compressed)
         for name, n in (("decode", 1), (f"prefill_{prefill_tokens}", prefill_tokens))
     }
     resident_blocks = [i for i in range(len(cost.block_bytes)) if i not in p.streamed and i not in p.uva]
@@ -38,6 +40,9 @@ def plan_report(model_name: str, gpu_memory: int | str, tokens: int = 1, strateg
                      "blocks": list(p.streamed), "slots": p.n_slots, "slot_bytes": p.slot_bytes,
                      "largest_tensors_per_block": p.part or None},
         "zero_copy": {"bytes": p.uva_bytes, "blocks": list(p.uva)},
+        "wire": {"compressed": p.compressed, "landing_bytes": p.landing_bytes,
+                 "bytes": sum(cost.wire_bytes(i, p.part) if p.compressed else cost.streamed_bytes(i, p.part)
+                              for i in p.streamed)},
         "gpu_bytes": p.gpu_bytes,
         "predicted": {k: {"ms": round(v.ms, 2), "bound": v.bound, "compute_ms": round(v.compute_ms, 2),
                           "link_ms": round(v.link_ms, 2)} for k, v in predictions.items()},
@@ -61,6 +66,10 @@ def format_report(r: dict) -> str:
         + (f"; only each block's {r['streamed']['largest_tensors_per_block']} largest tensors, the rest "
            "of it resident" if r["streamed"]["largest_tensors_per_block"] else ""),
         f"{'zero copy':12}{len(r['zero_copy']['blocks']):>8}{size(r['zero_copy']['bytes']):>14}",
+        f"on the wire: {size(r['wire']['bytes'])} per forward"
+        + (f", compressed (ratio {r['wire']['bytes'] / max(1, r['streamed']['bytes']):.3f}; landing "
+           f"buffers of {size(r['wire']['landing_bytes'])} per slot)"
+           if r["wire"]["compressed"] else ", raw"),
         f"GPU memory for weights: {size(r['gpu_bytes'])} (strategy: {r['strategy']})",
     ]
     for phase, p in r["predicted"].items():
