@@ -8,6 +8,8 @@ A raw segment's chunk is a plain byte copy. Imported lazily: the CPU build of to
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -77,7 +79,7 @@ def decode(blob: torch.Tensor, out: torch.Tensor, chunks: int) -> None:
     longer) into `out` (CUDA uint8, the group's layout) on the current stream. `chunks` is the
     group's `EncodedGroup.chunks`. No host synchronization: safe inside CUDA-graph capture."""
     if chunks:
-        with torch.cuda.device(out.device):
+        with torch.cuda.device(out.device) if out.is_cuda else contextlib.nullcontext():
             _decode_kernel[(chunks,)](blob, out, CHUNK=codec.CHUNK, RAW_CHUNK=codec.RAW_CHUNK, BLOCK=_BLOCK,
                                       HEADER_WORDS=codec.HEADER_WORDS, SEGMENT_WORDS=codec.SEGMENT_WORDS)
 
