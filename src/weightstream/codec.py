@@ -88,8 +88,10 @@ def choose(tensor: torch.Tensor, sample: int = 1 << 20) -> Coding:
         return Coding(RAW, nbytes=raw_bytes_on_wire(n * tensor.element_size()))
     if tensor.is_meta:  # no values yet (planning from a config): what HF-initialized weights code to
         return Coding(kind, 3, 0, int(TYPICAL_RATIO[kind] * 2 * n))
-    flat = tensor.detach().reshape(-1)
-    flat = flat[: n // 4 * 4].view(torch.int64)
+    flat = tensor.detach().reshape(-1)[: n // 4 * 4]
+    if flat.data_ptr() % 8:
+        flat = flat.clone()
+    flat = flat.view(torch.int64)
     flat = flat[:: max(1, flat.numel() * 4 // sample)]
     lanes = _exponents(flat, kind).view(torch.int16)
     hist = torch.bincount(lanes.to(torch.int32), minlength=256)[:256].to(torch.float64).cpu()

@@ -127,6 +127,12 @@ class CodedCudaTransfer(CudaTransfer):
         self.landing[slot][: enc.wire_bytes].copy_(enc.blob, non_blocking=True)
         self.decoder.decode(self.landing[slot], self.slots[slot], enc.chunks)
 
+    def close(self) -> None:
+        """Stop the disk reader, if any, and free the landing buffers (restore no longer needs them)."""
+        super().close()
+        self.synchronize()
+        self.landing.clear()
+
     def join(self) -> None:
         """Make the compute stream wait for every copy and decode started so far."""
         super().join()
