@@ -250,8 +250,8 @@ def encode_group(tensors: list[tuple[torch.Tensor, int]], raw_bytes: int,
                  device: torch.device | None = None) -> EncodedGroup | None:
     """Encode a group: each (tensor, byte offset in the group's layout) is coded or passed raw.
     Returns None when the whole group would not shrink below MAX_RATIO (send it raw instead).
-    The coding runs on `device` (default: each tensor's own; a GPU codes at hundreds of GB/s, this
-    CPU at well under 1 GB/s); the blob is on the CPU."""
+    The coding runs on `device` (default: each tensor's own; a GPU codes far faster than a CPU), and
+    the blob is built there (default: on the CPU)."""
     segments, cursor_chunks = [], 0
     for tensor, dst in tensors:
         if device is not None and tensor.dtype in KINDS:
@@ -283,7 +283,7 @@ def encode_group(tensors: list[tuple[torch.Tensor, int]], raw_bytes: int,
         offsets.append(starts)
     if cursor > MAX_RATIO * raw_bytes:
         return None
-    blob = torch.zeros(cursor, dtype=torch.uint8)
+    blob = torch.zeros(cursor, dtype=torch.uint8, device=device or "cpu")
     words = blob[:header].view(torch.int64)
     words[:HEADER_WORDS] = torch.tensor([MAGIC, len(segments), cursor_chunks, raw_bytes])
     chunk_words = words[HEADER_WORDS : HEADER_WORDS + cursor_chunks]

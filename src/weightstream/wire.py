@@ -35,6 +35,8 @@ def encode_groups(groups, group_bytes: list[int], landing_bytes: int, device: to
                unit="group", disable=False if progress else None if progress is None else True)
     for group, nbytes in bar:
         enc = codec.encode_group([(entry.tensor, sl.offset) for entry, sl in group], nbytes, where)
+        if enc is not None and enc.blob.device.type != "cpu":
+            enc = dataclasses.replace(enc, blob=enc.blob.cpu())  # one copy back per group
         encoded.append(enc if enc is not None and enc.wire_bytes <= landing_bytes else None)
     return encoded
 
