@@ -621,7 +621,7 @@ def offload(
         coded = frozenset(g for g, enc in enumerate(prep.wire) if enc is not None)
     arena = HostArena(sizes, pin=pin)
     if prep.wire:
-        prep.wire = fill_arena(arena, prep.wire)
+        prep.wire = fill_arena(arena, prep.wire, prep.groups, prep.device)
     places = final_places(prep, arena, keep_on_device=True, disk_groups=coded)  # coded: in the blobs
     streamed = {id(e) for group in prep.host_groups for e, _ in group}
     # Off-device tensors first, each old storage dropped at once, so a model already on the GPU never

@@ -24,9 +24,10 @@ from .transfer import CudaTransfer, SyncTransfer
 def encode_groups(groups, group_bytes: list[int], landing_bytes: int, device: torch.device,
                   progress: bool | None = None) -> list[codec.EncodedGroup | None]:
     """Encode each streamed group (a list of (entry, slice)) for the wire, on `device` when it is a GPU
-    (fast), else on the CPU. A group that does not shrink, or whose blob would not fit a landing
-    buffer of `landing_bytes`, is None (it streams raw). Shows a progress bar over groups (tqdm;
-    `progress` None: only on a terminal)."""
+    (fast), else on the CPU, to learn its size; the blobs are not kept (each `blob` is a meta tensor
+    of the blob's size) so the arena can be allocated exactly before `fill_arena` writes them. A
+    group that does not shrink, or whose blob would not fit a landing buffer of `landing_bytes`, is
+    None (it streams raw). Shows a progress bar over groups (tqdm; `progress` None: on a terminal)."""
     from tqdm import tqdm
 
     where = device if device.type == "cuda" else None
@@ -35,19 +36,30 @@ def encode_groups(groups, group_bytes: list[int], landing_bytes: int, device: to
                unit="group", disable=False if progress else None if progress is None else True)
     for group, nbytes in bar:
         enc = codec.encode_group([(entry.tensor, sl.offset) for entry, sl in group], nbytes, where)
-        if enc is not None and enc.blob.device.type != "cpu":
-            enc = dataclasses.replace(enc, blob=enc.blob.cpu())  # one copy back per group
-        encoded.append(enc if enc is not None and enc.wire_bytes <= landing_bytes else None)
+        if enc is not None and enc.wire_bytes <= landing_bytes:
+            encoded.append(dataclasses.replace(enc, blob=torch.empty(enc.wire_bytes, dtype=torch.uint8,
+                                                                     device="meta")))
+        else:
+            encoded.append(None)
     return encoded
 
 
-def fill_arena(arena: HostArena, wire: list[codec.EncodedGroup | None]) -> list[codec.EncodedGroup | None]:
-    """Copy each blob into its arena region; returns the encodings pointing at the arena instead."""
+def fill_arena(arena: HostArena, wire: list[codec.EncodedGroup | None], groups,
+               device: torch.device) -> list[codec.EncodedGroup | None]:
+    """Encode each compressed group again (same bytes: the codec is deterministic) straight into its
+    arena region (one copy from the GPU into pinned memory per group); returns the encodings pointing
+    at the arena."""
+    where = device if device.type == "cuda" else None
     placed = []
     for g, enc in enumerate(wire):
         if enc is not None:
-            arena.region(g).copy_(enc.blob)
-            enc = dataclasses.replace(enc, blob=arena.region(g))
+            region = arena.region(g)
+            again = codec.encode_group([(entry.tensor, sl.offset) for entry, sl in groups[g]],
+                                       enc.raw_bytes, where)
+            if again is None or again.wire_bytes != enc.wire_bytes:
+                raise RuntimeError(f"weightstream: group {g} encoded to a different size the second time")
+            region.copy_(again.blob)
+            enc = dataclasses.replace(enc, blob=region)
         placed.append(enc)
     return placed
 
