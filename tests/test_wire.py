@@ -176,12 +176,12 @@ def test_plan_report_shows_the_wire_for_a_meta_model():
 def test_groups_too_big_for_the_landing_buffer_stream_raw_and_no_triton_on_cpu():
     import sys
 
+    from weightstream.offload import prepare
     from weightstream.wire import encode_groups
 
     _, model = bf16_twin("llama")
-    handle = ws.offload(model, gpu_memory=int(weight_bytes(model) * 0.75), device="cpu",
-                        strategy="stream", compress=True)
-    groups, sizes = handle._groups, handle._group_bytes
+    prep = prepare(model, int(weight_bytes(model) * 0.75), "cpu", strategy="stream", compress=True)
+    groups, sizes = prep.groups, prep.group_bytes
     coded = encode_groups(groups, sizes, 10**9, torch.device("cpu"))
     assert all(enc is not None and enc.blob.is_meta for enc in coded)  # sizes only, nothing kept
     assert encode_groups(groups, sizes, min(e.wire_bytes for e in coded) - 1, torch.device("cpu")) == \
