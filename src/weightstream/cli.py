@@ -47,6 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--cpu-memory", default=None,
                       help='host memory for offloaded weights, as for from_pretrained (default: no limit)')
     plan.add_argument("--json", action="store_true", help="print JSON for tools")
+    plan.add_argument("--compress", default="false", choices=["auto", "true", "false"],
+                      help="stream groups losslessly compressed (default false)")
     args = parser.parse_args(argv)
 
     from .errors import WeightstreamError
@@ -71,8 +73,9 @@ def _run(args: argparse.Namespace) -> int:
 
         from .planview import format_report, plan_report
 
+        compress = {"auto": "auto", "true": True, "false": False}[args.compress]
         report = plan_report(args.model, args.gpu_memory, args.tokens, args.strategy, dtype=args.dtype,
-                             cpu_memory=args.cpu_memory)
+                             cpu_memory=args.cpu_memory, compress=compress)
         print(json.dumps(report, indent=1) if args.json else format_report(report))
         return 0
     if args.command == "generate":

@@ -49,6 +49,9 @@ class ModelCost:
     # bf16 GEMM over the same weights would read; (): no quantized weights
     quant_bytes: tuple[int, ...] = ()
     quant_bf16_bytes: tuple[int, ...] = ()
+    # each streamable tensor's predicted bytes on the wire when compressed (codec.choose), in the order
+    # of tensor_bytes; (): compression not considered
+    tensor_wire: tuple[tuple[int, ...], ...] = ()
 
     def reads(self, block: int, tokens: int) -> tuple[tuple[float, float], ...]:
         """(bytes, tokens) of the GEMMs of `block` at `tokens` tokens per forward: its dense bytes at
@@ -83,6 +86,13 @@ class ModelCost:
         sizes = self.tensor_bytes[block]
         return sum(sizes[i] for i in largest(sizes, part))
 
+    def wire_bytes(self, block: int, part: int = 0) -> int:
+        """Predicted bytes on the wire of `block` compressed (its `part` largest tensors; 0: all)."""
+        if not self.tensor_wire:
+            return self.streamed_bytes(block, part)
+        wire = self.tensor_wire[block]
+        return sum(wire[i] for i in largest(self.tensor_bytes[block], part)) + 64  # + header
+
     def staging(self, block: int, part: int = 0) -> int:
         """Bytes a slot needs to stage `block` (its `part` largest tensors; 0: all of it)."""
         if part and self.tensor_bytes:
@@ -109,22 +119,29 @@ def predict(
     tokens: int,
     profile: MachineProfile,
     part: int = 0,
+    compressed: bool = False,
 ) -> Prediction:
     """Predict one forward of `tokens` tokens with blocks `streamed` (through `n_slots` slots; each
-    streams its `part` largest tensors, 0: all of it) and `uva` (zero copy), the rest resident."""
+    streams its `part` largest tensors, 0: all of it) and `uva` (zero copy), the rest resident.
+    compressed: copies move each group's predicted wire bytes, then a decode on its own stream (one
+    after another, at the profile's decode rate) fills the slot; compute waits for the decode."""
     group_of = {block: g for g, block in enumerate(streamed)}
     extra = profile.block_extra_seconds(model.width, tokens)  # every block, wherever its weights are
     uva_set = set(uva)
     done: dict[int, float] = {}  # group -> time its copy has landed
-    compute = copy = 0.0
+    compute = copy = decode = 0.0
     link = 0.0
 
     def start_copy(group: int, not_before: float) -> None:
-        nonlocal copy, link
-        seconds = profile.copy_seconds(model.streamed_bytes(streamed[group], part))
+        nonlocal copy, link, decode
+        raw = model.streamed_bytes(streamed[group], part)
+        seconds = profile.copy_seconds(model.wire_bytes(streamed[group], part) if compressed else raw)
         copy = max(copy, not_before) + seconds
         link += seconds
         done[group] = copy
+        if compressed:
+            decode = max(decode, copy) + profile.decode_seconds(raw)
+            done[group] = decode
 
     def gemm_seconds(rate, block: int) -> float:
         return sum(rate(nbytes, m) for nbytes, m in model.reads(block, tokens))

@@ -48,6 +48,7 @@ class ModelGuards:
         self.training = [m.training for m in self.modules]
         self.grads = [p for p in model.parameters() if p.requires_grad]
         self._true = self._true_tensors()
+        self._decoded: tuple[int | None, torch.Tensor | None] = (None, None)  # the last decoded group
         self._hooks = []
         for p in self.grads:
             p.requires_grad_(False)
@@ -85,6 +86,12 @@ class ModelGuards:
             stored = next(st for st, s in transfer.disk.groups[g] if s.offset == sl.offset)
             raw = torch.empty(sl.nbytes, dtype=torch.uint8)
             read_into(stored, raw)
+            return entry.view_of(raw)
+        wire = self.handle._wire
+        if g < len(wire) and wire[g] is not None:  # compressed in the arena: decode the group
+            if self._decoded[0] != g:
+                self._decoded = (g, transfer.raw_group(g).cpu())
+            raw = self._decoded[1][sl.offset : sl.offset + sl.nbytes].clone()
             return entry.view_of(raw)
         return entry.view_of(self.handle._arena.region(g)[sl.offset : sl.offset + sl.nbytes])
 

@@ -19,6 +19,7 @@ from torch import nn
 
 from . import guards, kinds, ops, replay, subclass
 from .blocks import find_blocks
+from .codec import choose
 from .cost import ModelCost, largest
 from .disk import DiskTier
 from .errors import ArgumentError, OffloadStateError, WeightstreamError
@@ -28,8 +29,8 @@ from .plan import Placement, plan
 from .probe import MachineProfile, load_profile
 from .schedule import Schedule
 from .sizes import format_size, parse_size
-from .transfer import CudaTransfer, SyncTransfer
 from .uva import uva_view
+from .wire import encode_groups, fill_arena, make_transfer
 
 _HANDLE_ATTR = "_weightstream_handle"
 LOCK_TIMEOUT_S = 300.0  # how long a thread waits for another thread's block before it gives up
@@ -140,6 +141,13 @@ class OffloadStats:
     placement_kind: str
     requested_strategy: str
     predicted_ms: float | None
+    wire_bytes: int = 0  # bytes a forward moves over the link for the streamed groups (compressed or not)
+    wire_raw_bytes: int = 0  # the same groups' bytes in their layout (what the slots receive)
+
+    @property
+    def wire_ratio(self) -> float:
+        """Wire bytes over raw bytes of the streamed groups (1.0 when nothing is compressed)."""
+        return self.wire_bytes / self.wire_raw_bytes if self.wire_raw_bytes else 1.0
 
     def __str__(self) -> str:
         return (
@@ -150,7 +158,9 @@ class OffloadStats:
             f"pinned {format_size(self.pinned_bytes)}, read from disk {format_size(self.disk_bytes)}; "
             f"{self.copies} async copies, {self.prologues} pass prologues, {self.misses} misses "
             f"({self.misses_last_pass} in the last pass); placement {self.placement_kind} "
-            f"(asked for {self.requested_strategy})"
+            f"(asked for {self.requested_strategy}); "
+            f"wire {format_size(self.wire_bytes)} of {format_size(self.wire_raw_bytes)} "
+            f"(ratio {self.wire_ratio:.3f})"
         )
 
 
@@ -257,10 +267,10 @@ class OffloadHandle:
         self._arena = arena
         self._slots = slots
         self._schedule = Schedule(len(prep.groups), prep.placement.n_slots)
-        cuda = prep.device.type == "cuda"
-        self._transfer = (
-            CudaTransfer(arena, slots, prep.device, disk, pin) if cuda else SyncTransfer(arena, slots, disk)
-        )
+        self._wire = prep.wire or [None] * len(prep.groups)
+        self._group_bytes = prep.group_bytes
+        self._transfer = make_transfer(arena, slots, prep.device, disk, pin, prep.wire,
+                                       prep.placement.landing_bytes)
         self._warned = False
         self._capturing = False  # whether the last op ran inside a CUDA graph capture
         self._lock = threading.Lock()
@@ -360,6 +370,9 @@ class OffloadHandle:
             placement_kind=p.kind,
             requested_strategy=p.requested_strategy,
             predicted_ms=p.prediction.ms if p.prediction else None,
+            wire_bytes=sum(enc.wire_bytes if enc else size
+                           for enc, size in zip(self._wire, self._group_bytes, strict=True)),
+            wire_raw_bytes=sum(self._group_bytes),
         )
 
     def restore(self, device: str | torch.device | None = None) -> nn.Module:
@@ -381,9 +394,7 @@ class OffloadHandle:
         object.__delattr__(self.model, _HANDLE_ATTR)
         self._transfer.close()
         for g, group in enumerate(self._groups + self._uva_groups):
-            region = self._arena.region(g)
-            if g < len(self._groups) and self._transfer.on_disk(g):
-                region = self._transfer.disk.load(g)
+            region = self._transfer.raw_group(g) if g < len(self._groups) else self._arena.region(g)
             for entry, sl in group:
                 raw = region[sl.offset : sl.offset + sl.nbytes]
                 _set_tensor(entry, entry.copy_of(raw, target))
@@ -510,6 +521,7 @@ class Prepared:
     uva_groups: list[list[tuple[Entry, Slice]]]  # zero-copy blocks
     uva_group_bytes: list[int]
     cost: ModelCost
+    wire: list | None = None  # each streamed group's codec.EncodedGroup (None: raw); None: nothing coded
 
     @property
     def host_groups(self) -> list[list[tuple[Entry, Slice]]]:
@@ -521,12 +533,23 @@ class Prepared:
         return self.group_bytes + self.uva_group_bytes
 
 
+def _plain(entry: Entry) -> bool:
+    """True for a plain tensor (the codec codes its bytes); a tensor subclass streams raw."""
+    return entry.flat is None and type(entry.tensor) in (torch.Tensor, nn.Parameter)
+
+
+def _wire_nbytes(entry: Entry) -> int:
+    """An entry's predicted bytes on the wire when compressed (codec.choose); raw for a subclass."""
+    return choose(entry.tensor).nbytes if _plain(entry) else entry.nbytes
+
+
 def model_cost(entries: list[Entry], per_block: list[list[Entry]], slot_bytes: list[int], width: int = 0,
-               routing: tuple[int, int] = (0, 0)) -> ModelCost:
+               routing: tuple[int, int] = (0, 0), wire: bool = False) -> ModelCost:
     """The cost model's view of a model: fixed bytes, LM head bytes, each block's streamable bytes and
     staging footprint, the blocks' activation width (0 when unknown) and, for a mixture of experts with
     `routing` = (experts, experts per token), each block's bytes of routed experts: its 3-D tensors
-    whose first dimension is the expert."""
+    whose first dimension is the expert. `wire`: also each tensor's predicted compressed size
+    (codec.choose, from a sample of its exponents)."""
     outside = [e.nbytes for e in entries if e.owner is None]
     block_bytes = tuple(sum(e.nbytes for e in group) for group in per_block)
     tensor_bytes = tuple(tuple(e.nbytes for e in group) for group in per_block)
@@ -535,9 +558,10 @@ def model_cost(entries: list[Entry], per_block: list[list[Entry]], slot_bytes: l
                    for group in per_block) if experts else ()
     quant = tuple(sum(e.nbytes for e in group if e.bf16_bytes != e.nbytes) for group in per_block)
     quant_bf16 = tuple(sum(e.bf16_bytes for e in group if e.bf16_bytes != e.nbytes) for group in per_block)
+    tensor_wire = tuple(tuple(_wire_nbytes(e) for e in group) for group in per_block) if wire else ()
     return ModelCost(sum(outside), max(outside, default=0), block_bytes, tuple(slot_bytes), width,
                      tensor_bytes, routed if any(routed) else (), experts, top_k,
-                     quant if any(quant) else (), quant_bf16 if any(quant) else ())
+                     quant if any(quant) else (), quant_bf16 if any(quant) else (), tensor_wire)
 
 
 def expert_routing(model: nn.Module) -> tuple[int, int]:
@@ -570,13 +594,14 @@ def prepare(
     profile: MachineProfile | None = None,
     host_bytes: int | None = None,
     placement: Placement | None = None,
+    compress: bool | str = False,
 ) -> Prepared:
     """Check the model and plan what stays on `device`, what streams and what is read in place
     (zero copy); moves nothing yet.
 
     allow_meta: accept parameters on the meta device (a model built empty, to be filled from a
-    checkpoint straight into its final places). strategy, tokens, profile, placement: see `offload`.
-    host_bytes: host memory for the offloaded weights (see `plan.plan`; None: no limit).
+    checkpoint straight into its final places). strategy, tokens, profile, placement, compress: see
+    `offload`. host_bytes: host memory for the offloaded weights (see `plan.plan`; None: no limit).
     """
     budget = parse_size(gpu_memory)
     device = _resolve_device(device)
@@ -601,11 +626,15 @@ def prepare(
         raise ArgumentError(f"tokens={tokens!r}: give the tokens per forward to optimize for, an int >= 1")
     if strategy == "uva" and device.type == "cuda" and not pin_memory:
         raise ArgumentError("strategy='uva' reads pinned host memory in place: it needs pin_memory=True")
+    if compress not in (True, False, "auto"):
+        raise ArgumentError(f"compress={compress!r}: choose True, False or 'auto'")
+    if compress == "auto" and device.type != "cuda" and not allow_meta:
+        compress = False  # no link to save on the CPU backend (a plan from sizes alone keeps "auto")
     cost = model_cost(entries, per_block, [size for _, size in layouts], activation_width(model),
-                      expert_routing(model))
+                      expert_routing(model), wire=compress is not False)
     if placement is None:
         profile = load_profile(device) if profile is None else profile
-        placement = plan(cost, budget, tokens, profile, strategy, host_bytes=host_bytes)
+        placement = plan(cost, budget, tokens, profile, strategy, host_bytes=host_bytes, compress=compress)
     elif placement.gpu_bytes > budget or max(placement.streamed + placement.uva, default=-1) >= len(found):
         raise ArgumentError(
             f"the given placement needs {format_size(placement.gpu_bytes)} of GPU memory for blocks up to "
@@ -707,6 +736,7 @@ def offload(
     tokens: int = 1,
     profile: MachineProfile | None = None,
     placement: Placement | None = None,
+    compress: bool | str = False,
 ) -> OffloadHandle:
     """Offload `model` in place so its weights take at most `gpu_memory` on `device`; return the handle.
 
@@ -733,17 +763,35 @@ def offload(
         depends on the arguments alone, the same on every machine.
     placement: use this placement instead of planning one (`plan.placement_of` makes one from the
         model's cost, `prepare(...).cost`): how tests and tools force the case they need.
+    compress: stream bf16/fp16 groups losslessly compressed (`codec.py`, about 0.71 of the bytes for
+        Hugging Face-initialized bf16 weights) and decode them on the GPU into the slots: True, False
+        (the default) or "auto" (when the planner predicts it faster; never on the CPU backend).
+        Outputs stay bit-identical; landing buffers for the compressed bytes count in `gpu_memory`.
     """
     prep = prepare(model, gpu_memory, device, blocks, strategy=strategy, tokens=tokens,
-                   pin_memory=pin_memory, profile=profile, placement=placement)
+                   pin_memory=pin_memory, profile=profile, placement=placement,
+                   compress=compress)
     pin = pin_memory and prep.device.type == "cuda"
-    arena = HostArena(prep.host_group_bytes, pin=pin)
-    places = final_places(prep, arena, keep_on_device=True)
+    sizes, coded = prep.host_group_bytes, frozenset()
+    if prep.placement.compressed:
+        plain = [all(_plain(e) for e, _ in group) for group in prep.groups]  # subclasses stream raw
+        prep.wire = encode_groups(prep.groups, prep.group_bytes, prep.placement.landing_bytes, prep.device,
+                                  only=plain)
+        sizes = [enc.wire_bytes if enc else size
+                 for enc, size in zip(prep.wire, prep.group_bytes, strict=True)] + prep.uva_group_bytes
+        coded = frozenset(g for g, enc in enumerate(prep.wire) if enc is not None)
+    arena = HostArena(sizes, pin=pin)
+    if prep.wire:
+        prep.wire = fill_arena(arena, prep.wire, prep.groups, prep.device)
+    places = final_places(prep, arena, keep_on_device=True, disk_groups=coded)  # coded: in the blobs
     streamed = {id(e) for group in prep.host_groups for e, _ in group}
     # Off-device tensors first, each old storage dropped at once, so a model already on the GPU never
     # holds more than it did before; then the resident ones that must move to the device.
     for entry in sorted(prep.entries, key=lambda e: id(e) not in streamed):
-        target = places[id(entry)]
+        target = places.get(id(entry))
+        if target is None:  # its group is compressed: its bytes are in the arena's blob already
+            _set_tensor(entry, torch.empty(0, dtype=entry.dtype))
+            continue
         if entry.is_at(target):
             continue  # already in its final place
         entry.copy_to(target)

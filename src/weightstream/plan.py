@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from .cost import ModelCost, Prediction, predict
 from .errors import ArgumentError, BudgetError
+from .layout import align_up
 from .probe import MachineProfile
 from .sizes import format_size
 
@@ -46,11 +47,17 @@ class Placement:
     prediction: Prediction | None = None
     part: int = 0  # each streamed block streams its `part` largest tensors (cost.largest); 0: all of it
     requested_strategy: str = "auto"
+    landing_bytes: int = 0  # compressed groups: each slot's GPU landing buffer; 0: groups stream raw
+
+    @property
+    def compressed(self) -> bool:
+        """True when streamed groups cross the link compressed (codec.py) and are decoded on the GPU."""
+        return self.landing_bytes > 0
 
     @property
     def staging_bytes(self) -> int:
-        """GPU bytes taken by the staging slots."""
-        return self.n_slots * self.slot_bytes
+        """GPU bytes taken by the staging slots and, for compressed groups, their landing buffers."""
+        return self.n_slots * (self.slot_bytes + self.landing_bytes)
 
     @property
     def gpu_bytes(self) -> int:
@@ -75,6 +82,13 @@ def host_need(model: ModelCost, streamed: tuple[int, ...], uva: tuple[int, ...],
     largest streamed group."""
     groups = [model.staging(i, part) for i in streamed]
     return sum(model.staging(i) for i in uva) + min(sum(groups), 2 * max(groups, default=0))
+
+
+def _landing(model: ModelCost, streamed: tuple[int, ...], part: int) -> int:
+    """Bytes of a landing buffer for the compressed groups of `streamed`: the largest predicted wire
+    size plus 1%, so a group whose real size exceeds the prediction is rare (it streams raw)."""
+    largest_wire = max(model.wire_bytes(i, part) for i in streamed)
+    return align_up(int(largest_wire * 1.01) + 1)
 
 
 def spread(n: int, k: int) -> tuple[int, ...]:
@@ -114,29 +128,36 @@ def placement_of(
     budget: int | None = None,
     host_bytes: int | None = None,
     strategy: str = "auto",
+    compressed: bool = False,
 ) -> Placement | None:
     """The placement that streams blocks `streamed` through `n_slots` slots (each block's `part`
     largest tensors; 0: all of it) and reads blocks `uva` in place, with its predicted time; None when
     it does not fit `budget` bytes of GPU memory or `host_bytes` of host memory (no limit when None).
-    `strategy` is recorded as the requested one. Tests and tools use it to force a placement."""
+    `strategy` is recorded as the requested one. `compressed`: groups cross the link compressed, with a
+    landing buffer per slot (None where they would not shrink). Tests and tools use it to force a
+    placement."""
     if profile is None:
         from .probe import H200 as profile
     sizes = model.block_bytes
     if bool(streamed) != (n_slots > 0) or set(streamed) & set(uva):
         raise ArgumentError(f"streamed={streamed}, uva={uva}, n_slots={n_slots}: streamed blocks need at "
-                         "least one slot, and a block is streamed or read in place, not both")
+                            "least one slot, and a block is streamed or read in place, not both")
     off = set(streamed) | set(uva)
     resident = model.fixed_bytes + sum(b for i, b in enumerate(sizes) if i not in off)
     resident += sum(sizes[i] - model.streamed_bytes(i, part) for i in streamed)
     slot = max((model.staging(i, part) for i in streamed), default=0)
-    if budget is not None and resident + n_slots * slot > budget:
+    landing = _landing(model, streamed, part) if compressed and streamed else 0
+    if landing > 0.95 * slot:
+        return None  # groups that would not shrink (they would stream raw)
+    if budget is not None and resident + n_slots * (slot + landing) > budget:
         return None
     if host_bytes is not None and host_need(model, streamed, uva, part) > host_bytes:
         return None
-    prediction = predict(model, streamed, n_slots, uva, tokens, profile, part)
+    prediction = predict(model, streamed, n_slots, uva, tokens, profile, part, bool(landing))
     total = model.fixed_bytes + sum(sizes)
     return Placement(tuple(streamed), n_slots, slot, resident, total - resident, tuple(uva),
-                     sum(sizes[i] for i in uva), prediction, part, strategy)
+                     sum(sizes[i] for i in uva), prediction, part, requested_strategy=strategy,
+                     landing_bytes=landing)
 
 
 def plan(
@@ -147,6 +168,7 @@ def plan(
     strategy: str = "auto",
     max_slots: int = 2,
     host_bytes: int | None = None,
+    compress: bool | str = False,
 ) -> Placement:
     """The fastest placement of `model` whose weights fit in `budget` bytes of GPU memory.
 
@@ -156,19 +178,36 @@ def plan(
     host_bytes: host memory for the offloaded weights (None: no limit). A placement is kept only when
         host memory holds its zero-copy blocks plus either every streamed group or, with the rest left
         on disk (`from_pretrained`'s disk tier), two bounce buffers of the largest streamed group.
+
+    compress: True streams groups compressed (landing buffers count as staging) wherever a compressed
+        placement fits, False raw, "auto" whichever predicts faster; needs `model.tensor_wire`
+        (without it groups stream raw).
     """
     if strategy not in STRATEGIES:
         raise ArgumentError(f"strategy={strategy!r}: choose one of {', '.join(STRATEGIES)}")
+    if compress not in (True, False, "auto"):
+        raise ArgumentError(f"compress={compress!r}: choose True, False or 'auto'")
+    # compress=True still falls back to raw groups where no compressed placement fits the budget
+    options = (False, True) if model.tensor_wire and compress is not False else (False,)
+
+    def better(a: Placement, b: Placement | None) -> bool:
+        if b is None:
+            return True
+        if compress is True and a.compressed != b.compressed:
+            return a.compressed
+        return a.prediction.ms < b.prediction.ms
+
     if profile is None:
         from .probe import H200 as profile
     n = len(model.block_bytes)
     best: Placement | None = None
     max_part = max((len(t) for t in model.tensor_bytes), default=0)
     for streamed, uva, n_slots, part in _candidates(n, strategy, max_slots, max_part):
-        candidate = placement_of(model, streamed, n_slots, uva, part, tokens, profile, budget, host_bytes,
-                                 strategy)
-        if candidate is not None and (best is None or candidate.prediction.ms < best.prediction.ms):
-            best = candidate
+        for compressed in options if streamed else (False,):
+            candidate = placement_of(model, streamed, n_slots, uva, part, tokens, profile, budget,
+                                     host_bytes, strategy, compressed)
+            if candidate is not None and better(candidate, best):
+                best = candidate
     if best is not None:
         return best
     if host_bytes is not None:

@@ -14,23 +14,24 @@ from .sizes import format_size, parse_size
 
 def plan_report(model_name: str, gpu_memory: int | str, tokens: int = 1, strategy: str = "auto",
                 prefill_tokens: int = 2048, dtype: str | torch.dtype | None = None,
-                cpu_memory: int | str | None = None) -> dict:
+                cpu_memory: int | str | None = None, compress: bool | str = False) -> dict:
     """The placement of `model_name` (built-in shape or local folder) under `gpu_memory`, optimized for
     `tokens` tokens per forward, with predicted ms for decode (1 token) and prefill; plain data.
 
     dtype: the dtype to plan in (default: a local checkpoint's own, as `from_pretrained` loads it;
     bfloat16 for a built-in shape). cpu_memory: host memory for the offloaded weights, as for
     `from_pretrained` (default: no limit). With the same arguments `from_pretrained` gets the same
-    placement."""
+    placement. compress: as for `offload` (wire sizes predicted from Hugging Face-initialized weights'
+    ratio)."""
     model = meta_model(model_name, dtype)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     profile = load_profile(device)
     host_bytes = None if cpu_memory is None else parse_size(cpu_memory)
     prep = prepare(model, gpu_memory, device, allow_meta=True, strategy=strategy, tokens=tokens,
-                   profile=profile, host_bytes=host_bytes)
+                   profile=profile, host_bytes=host_bytes, compress=compress)
     p, cost = prep.placement, prep.cost
     predictions = {
-        name: predict(cost, p.streamed, p.n_slots, p.uva, n, profile, p.part)
+        name: predict(cost, p.streamed, p.n_slots, p.uva, n, profile, p.part, p.compressed)
         for name, n in (("decode", 1), (f"prefill_{prefill_tokens}", prefill_tokens))
     }
     host_limit = None if host_bytes is None else host_bytes - sum(prep.uva_group_bytes)
@@ -53,6 +54,9 @@ def plan_report(model_name: str, gpu_memory: int | str, tokens: int = 1, strateg
         "zero_copy": {"bytes": p.uva_bytes, "blocks": list(p.uva)},
         "disk": {"bytes": sum(cost.streamed_bytes(p.streamed[g], p.part) for g in on_disk),
                  "blocks": [p.streamed[g] for g in sorted(on_disk)]},
+        "wire": {"compressed": p.compressed, "landing_bytes": p.landing_bytes,
+                 "bytes": sum(cost.wire_bytes(i, p.part) if p.compressed else cost.streamed_bytes(i, p.part)
+                              for i in p.streamed)},
         "gpu_bytes": p.gpu_bytes,
         "predicted": {k: {"ms": round(v.ms, 2), "bound": v.bound, "compute_ms": round(v.compute_ms, 2),
                           "link_ms": round(v.link_ms, 2)} for k, v in predictions.items()},
@@ -76,6 +80,10 @@ def format_report(r: dict) -> str:
         + (f"; only each block's {r['streamed']['largest_tensors_per_block']} largest tensors, the rest "
            "of it resident" if r["streamed"]["largest_tensors_per_block"] else ""),
         f"{'zero copy':12}{len(r['zero_copy']['blocks']):>8}{size(r['zero_copy']['bytes']):>14}",
+        f"on the wire: {size(r['wire']['bytes'])} per forward"
+        + (f", compressed (ratio {r['wire']['bytes'] / max(1, r['streamed']['bytes']):.3f}; landing "
+           f"buffers of {size(r['wire']['landing_bytes'])} per slot)"
+           if r["wire"]["compressed"] else ", raw"),
         *([f"{'on disk':12}{len(r['disk']['blocks']):>8}{size(r['disk']['bytes']):>14}"
            "   (streamed, read from the checkpoint files each forward)"] if r["disk"]["blocks"] else []),
         f"GPU memory for weights: {size(r['gpu_bytes'])} (placement: {r['placement_kind']}, asked for "

@@ -42,6 +42,9 @@ class MachineProfile:
     # tokens -> a dequantizing GEMM's time (fp8 weight with block scales, dequantized then multiplied)
     # over the bf16 GEMM of the same weights ({}: DEQUANT_DEFAULT)
     dequant: dict[int, float] = field(default_factory=dict)
+    # GPU decode of compressed groups (codec_triton), seconds per decoded byte; the default (300 GB/s)
+    # stands in where it was not measured
+    decode_s_per_byte: float = 1 / 300e9
 
     @property
     def h2d_GBps(self) -> float:
@@ -50,6 +53,10 @@ class MachineProfile:
     def copy_seconds(self, nbytes: int) -> float:
         """Seconds to copy nbytes host->GPU."""
         return nbytes * self.copy_s_per_byte
+
+    def decode_seconds(self, nbytes: int) -> float:
+        """Seconds to decode compressed groups into nbytes of slot on the GPU."""
+        return nbytes * self.decode_s_per_byte
 
     def resident_seconds(self, nbytes: int, tokens: int) -> float:
         """Seconds for GEMMs over nbytes of resident weights at `tokens` tokens per forward."""
@@ -150,7 +157,8 @@ def measure(device: torch.device | str = "cuda", progress: bool = True) -> Machi
     dequant = dequant_ratios(weight, resident, progress)
     profile = MachineProfile(torch.cuda.get_device_name(device), copy_s_per_byte, resident, uva)
     extra = block_extra(profile, device, progress)
-    return MachineProfile(profile.gpu, copy_s_per_byte, resident, uva, extra, dequant)
+    decode = decode_seconds_per_byte(device, progress)
+    return MachineProfile(profile.gpu, copy_s_per_byte, resident, uva, extra, dequant, decode)
 
 
 def dequant_ratios(weight: torch.Tensor, resident: dict[int, float],
@@ -169,6 +177,18 @@ def dequant_ratios(weight: torch.Tensor, resident: dict[int, float],
         if progress:
             print(f"  M={m:5d}: fp8 dequantizing GEMM {ratios[m]:5.2f}x the bf16 GEMM", flush=True)
     return ratios
+
+
+def decode_seconds_per_byte(device: torch.device, progress: bool = False) -> float:
+    """The codec's GPU decode time per output byte (Triton); the default where Triton is missing."""
+    try:
+        from .codec_triton import decode_seconds_per_byte as measure_decode
+    except ImportError:
+        return MachineProfile.decode_s_per_byte
+    seconds = measure_decode(device)
+    if progress:
+        print(f"  codec decode: {1e-9 / seconds:8.1f} GB/s of decoded weights", flush=True)
+    return seconds
 
 
 # The reference block: Llama-3-8B's decoder layer (width 4096, 32 query and 8 key/value heads of 128,

@@ -33,6 +33,10 @@ class SyncTransfer:
         src = self.arena.region(group)
         self.slots[slot][: src.numel()].copy_(src)
 
+    def raw_group(self, group: int) -> torch.Tensor:
+        """`group`'s bytes in its layout (uint8): its arena region, or read from disk."""
+        return self.disk.load(group) if self.on_disk(group) else self.arena.region(group)
+
     def start_copy(self, slot: int, group: int) -> None:
         """Fill `slot` with `group` (here: at once)."""
         self._copy(slot, group)
