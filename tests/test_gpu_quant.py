@@ -15,6 +15,7 @@ from test_subclass import assert_same_state, state_leaves, stored_bytes
 from torch import nn
 
 import weightstream as ws
+from weightstream.guards import live_parameters
 from weightstream import fp8, subclass
 from weightstream.blocks import find_blocks
 from weightstream.layout import align_up
@@ -84,7 +85,8 @@ def test_a_quantized_model_on_the_host_offloads_to_the_gpu_exactly():
     model = copy.deepcopy(ref).cpu()
     handle = ws.offload(model, gpu_memory=streaming_budget(ref), device="cuda", strategy="stream")
     assert handle.stats.groups >= 2
-    assert all(leaf.is_cuda for t in model.parameters() for leaf in subclass.leaves_of(t))
+    # as the forward reads them (parameters() gives the true weights, host tensors for streamed ones)
+    assert all(leaf.is_cuda for t in live_parameters(model) for leaf in subclass.leaves_of(t))
     ids = torch.randint(0, 128, (2, 16), device="cuda")
     with torch.no_grad():
         assert torch.equal(model(ids).logits, ref(ids).logits)
