@@ -15,9 +15,9 @@ from test_subclass import assert_same_state, state_leaves, stored_bytes
 from torch import nn
 
 import weightstream as ws
-from weightstream.guards import live_parameters
 from weightstream import fp8, subclass
 from weightstream.blocks import find_blocks
+from weightstream.guards import live_parameters
 from weightstream.layout import align_up
 from weightstream.offload import _collect
 
