@@ -4,12 +4,14 @@
     handle = ws.offload(model, gpu_memory="6GiB")   # in place; the model stays an nn.Module
     print(handle.stats)
     handle.restore()
+    handle = ws.offload(pipe, gpu_memory="12GiB")  # a diffusers pipeline: one budget for all its models
 """
 
 from .checkpoint import CheckpointError
 from .errors import BudgetError, OffloadStateError, PinnedMemoryError, WeightstreamError
 from .hf import from_pretrained
 from .offload import OffloadHandle, OffloadStats, handle_of, offload
+from .pipeline import PipelineHandle, PipelineStats
 from .plan import Placement
 from .sizes import format_size, parse_size
 
@@ -20,6 +22,8 @@ __all__ = [
     "OffloadStateError",
     "OffloadStats",
     "PinnedMemoryError",
+    "PipelineHandle",
+    "PipelineStats",
     "Placement",
     "WeightstreamError",
     "format_size",

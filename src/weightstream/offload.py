@@ -652,7 +652,13 @@ def offload(
     tokens: tokens per forward to plan for (1 = batch-1 decode; 2048 for such a prefill).
     placement: use this placement instead of planning one (`plan.placement_of` makes one from the
         model's cost, `prepare(...).cost`): how tests and tools force the case they need.
+
+    A diffusers pipeline is offloaded as a whole (`pipeline.offload_pipeline`, a `PipelineHandle`).
     """
+    from .pipeline import is_pipeline, offload_pipeline
+
+    if is_pipeline(model):  # a diffusers pipeline: one budget over its components (pipeline.py)
+        return offload_pipeline(model, gpu_memory, device=device, pin_memory=pin_memory, strategy=strategy)
     prep = prepare(model, gpu_memory, device, blocks, strategy=strategy, tokens=tokens,
                    pin_memory=pin_memory, placement=placement)
     pin = pin_memory and prep.device.type == "cuda"
