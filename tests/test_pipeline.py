@@ -163,3 +163,24 @@ def test_the_split_is_the_fastest_combination_that_fits(blocks, calls, tokens, s
                for combo in itertools.product(*everything.values())
                if sum(p.gpu_bytes for p in combo) <= budget)
     assert got == pytest.approx(best, rel=1e-12)
+
+
+def test_plan_shows_the_per_component_placement_of_a_pipeline_folder(tmp_path, capsys):
+    import json
+
+    from weightstream.cli import main
+
+    pipe = tiny_flux_pipeline().to(dtype=torch.bfloat16)  # plan builds a folder's components in bf16
+    pipe.save_pretrained(tmp_path)
+    budget = total_bytes(pipe) // 2
+    assert main(["plan", str(tmp_path), "--gpu-memory", str(budget), "--strategy", "stream", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert set(report["components"]) == {"vae", "text_encoder", "text_encoder_2", "transformer"}
+    assert report["gpu_bytes"] <= budget and report["components"]["transformer"]["calls"] == 28
+    handle = ws.offload(pipe, gpu_memory=budget, device="cpu", strategy="stream")  # the same split
+    for name, c in report["components"].items():
+        p = handle.placements[name]
+        assert (c["gpu_bytes"], c["streamed_blocks"]) == (p.gpu_bytes, len(p.streamed)), name
+    handle.restore()
+    assert main(["plan", str(tmp_path), "--gpu-memory", str(budget)]) == 0
+    assert "transformer" in capsys.readouterr().out

@@ -35,10 +35,12 @@ def main(argv: list[str] | None = None) -> int:
     probe.add_argument("--refresh", action="store_true", help="measure again even if cached")
     plan = sub.add_parser("plan", help="show where a model's weights would go under a budget")
     plan.add_argument("model", help="a built-in shape (llama-3-8b, qwen2.5-32b, mixtral-8x7b, llama-3-70b) "
-                                    "or a local folder with config.json")
+                                    "or a local folder with config.json, or a diffusers pipeline folder "
+                                    "(model_index.json): one budget split across its components")
     plan.add_argument("--gpu-memory", required=True, help='GPU budget for the weights, e.g. "20GiB"')
     plan.add_argument("--tokens", type=int, default=1, help="tokens per forward to plan for (default 1)")
     plan.add_argument("--strategy", default="auto", choices=["auto", "stream", "uva"])
+    plan.add_argument("--steps", type=int, default=28, help="denoising steps per generation (pipelines)")
     plan.add_argument("--json", action="store_true", help="print JSON for tools")
     args = parser.parse_args(argv)
 
@@ -52,16 +54,21 @@ def main(argv: list[str] | None = None) -> int:
         return _probe(args.refresh)
     if args.command == "plan":
         import json
+        import os
 
         from .errors import BudgetError
+        from .pipeline import format_pipeline_plan, plan_pipeline
         from .planview import format_report, plan_report
 
+        pipeline = os.path.isfile(os.path.join(args.model, "model_index.json"))  # a diffusers pipeline folder
         try:
-            report = plan_report(args.model, args.gpu_memory, args.tokens, args.strategy)
+            report = (plan_pipeline(args.model, args.gpu_memory, args.steps, args.strategy) if pipeline
+                      else plan_report(args.model, args.gpu_memory, args.tokens, args.strategy))
         except (BudgetError, ValueError) as err:
             print(f"weightstream plan: {err}", file=sys.stderr)
             return 1
-        print(json.dumps(report, indent=1) if args.json else format_report(report))
+        text = format_pipeline_plan(report) if pipeline else format_report(report)
+        print(json.dumps(report, indent=1) if args.json else text)
         return 0
     if args.command == "generate":
         from .errors import WeightstreamError

@@ -222,3 +222,82 @@ def offload_pipeline(
     handle = PipelineHandle(pipe, plans, handles, budget)
     setattr(pipe, _PIPE_ATTR, handle)
     return handle
+
+
+def meta_components(folder: str, dtype: torch.dtype = torch.bfloat16) -> dict[str, nn.Module]:
+    """The nn.Module components of a local diffusers pipeline folder (`model_index.json` and one
+    subfolder with a config.json per component), built on the meta device: sizes, no memory, no weights
+    read. Tokenizers and schedulers are left out."""
+    import importlib
+    import json
+    import os
+
+    with open(os.path.join(folder, "model_index.json")) as f:
+        index = json.load(f)
+    modules: dict[str, nn.Module] = {}
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        for name, entry in index.items():
+            if name.startswith("_") or not isinstance(entry, list) or None in entry:
+                continue
+            library, class_name = entry
+            cls = getattr(importlib.import_module(library), class_name, None)
+            if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+                continue
+            sub = os.path.join(folder, name)
+            with torch.device("meta"):
+                if library == "transformers":
+                    from transformers import AutoConfig
+
+                    model = cls(AutoConfig.from_pretrained(sub))
+                else:
+                    model = cls.from_config(cls.load_config(sub))
+            modules[name] = model.eval().requires_grad_(False)
+    finally:
+        torch.set_default_dtype(previous)
+    return modules
+
+
+def plan_pipeline(folder: str, gpu_memory: int | str, steps: int = DEFAULT_STEPS,
+                  strategy: str = "auto", profile: MachineProfile | None = None) -> dict:
+    """`weightstream plan` for a pipeline folder: each component's placement under one `gpu_memory`
+    budget (as `offload(pipe, ...)` would split it), its calls per generation and predicted ms; plain
+    data. Components are built in bf16 on the meta device from their configs (no weights read)."""
+    modules = meta_components(folder)
+    budget = parse_size(gpu_memory)
+    calls, tokens = _resolve_calls(modules, steps, None, None)
+    if profile is None:
+        profile = load_profile("cuda" if torch.cuda.is_available() else "cpu")
+    plans = split_budget(component_costs(modules, "cpu", allow_meta=True), budget, calls, tokens, profile,
+                         strategy)
+    rows = {}
+    for name, p in plans.items():
+        pl = p.placement
+        rows[name] = {"class": type(modules[name]).__name__, "calls": p.calls, "tokens": p.tokens,
+                      "weight_bytes": pl.resident_bytes + pl.streamed_bytes, "gpu_bytes": pl.gpu_bytes,
+                      "resident_bytes": pl.resident_bytes, "streamed_blocks": len(pl.streamed),
+                      "zero_copy_blocks": len(pl.uva), "slots": pl.n_slots, "slot_bytes": pl.slot_bytes,
+                      "strategy": pl.strategy, "ms_per_call": round(pl.prediction.ms, 2),
+                      "ms_per_generation": round(p.generation_ms, 1)}
+    return {"pipeline": folder, "budget_bytes": budget, "steps": steps,
+            "profile": {"gpu": profile.gpu, "h2d_GBps": round(profile.h2d_GBps, 1)},
+            "gpu_bytes": sum(r["gpu_bytes"] for r in rows.values()),
+            "predicted_ms_per_generation": round(sum(p.generation_ms for p in plans.values()), 1),
+            "components": rows}
+
+
+def format_pipeline_plan(r: dict) -> str:
+    """A readable table of `plan_pipeline`'s result."""
+    lines = [f"{r['pipeline']}: budget {format_size(r['budget_bytes'])} for all components, {r['steps']} "
+             f"steps, on {r['profile']['gpu']} ({r['profile']['h2d_GBps']} GB/s host->GPU)",
+             f"{'component':16}{'calls':>6}{'weights':>12}{'on GPU':>12}{'streamed':>9}{'zero copy':>10}"
+             f"{'ms/call':>10}{'ms/gen':>10}  strategy"]
+    for name, c in r["components"].items():
+        lines.append(f"{name:16}{c['calls']:>6}{format_size(c['weight_bytes']):>12}"
+                     f"{format_size(c['gpu_bytes']):>12}{c['streamed_blocks']:>9}{c['zero_copy_blocks']:>10}{c['ms_per_call']:>10.1f}"
+                     f"{c['ms_per_generation']:>10.1f}  {c['strategy']}")
+    lines.append(f"GPU memory for weights: {format_size(r['gpu_bytes'])}; predicted "
+                 f"{r['predicted_ms_per_generation']:.0f} ms per generation (denoiser steps plus one call of "
+                 "each other component; the VAE's convolutions are costed as GEMMs, a rough guess)")
+    return "\n".join(lines)
