@@ -5,6 +5,8 @@
 # Usage (repository root, diffusers' wheel in .whl/, $OUT set by the device tool):
 #   bash benchmarks/diffusion_h200.sh PART      PART: flux | wan | flux-compiled | all (flux then wan)
 # Each part writes suite_<name>.json/.log under $OUT and prints the table against max(compute, transfer).
+# `all` stays under about 7 minutes: no method is started after FLUX_SECONDS (140) / WAN_SECONDS (120)
+# of each run, and each method has 45 / 70 s (--method-seconds); what is cut is recorded as skipped.
 set -euo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:?set OUT to the folder for results}
@@ -22,19 +24,19 @@ bench() {  # bench NAME MAX_SECONDS ARGS...
     python3 benchmarks/diffusion_bound.py "$OUT/suite_$name.json" | tee "$OUT/bound_$name.md"
 }
 flux() {
-    bench flux-dev-transformer ${MAX_SECONDS:-150} --shape flux-dev-transformer --budgets 12GiB,0.25 \
-        --modes eager --methods resident,ws-auto,$PEERS --reps 5 --method-seconds 60
+    bench flux-dev-transformer ${FLUX_SECONDS:-140} --shape flux-dev-transformer --budgets 12GiB,0.25 \
+        --modes eager --methods resident,ws-auto,$PEERS --reps 5 --method-seconds 45
 }
 wan() {
-    bench wan2.1-14b ${MAX_SECONDS:-130} --shape wan2.1-14b --budgets 0.25 --modes eager \
-        --methods resident,ws-auto,$PEERS --reps 3 --method-seconds 75
+    bench wan2.1-14b ${WAN_SECONDS:-120} --shape wan2.1-14b --budgets 0.25 --modes eager \
+        --methods resident,ws-auto,$PEERS --reps 3 --method-seconds 70
 }
 case ${1:?give a part} in
 flux) flux ;;
 wan) wan ;;
 all) flux; wan ;;
 flux-compiled)  # fullgraph compile of the resident and the offloaded transformer: about 4 minutes
-    bench flux-dev-transformer_compiled ${MAX_SECONDS:-200} --shape flux-dev-transformer --budgets 12GiB \
+    bench flux-dev-transformer_compiled ${COMPILED_SECONDS:-200} --shape flux-dev-transformer --budgets 12GiB \
         --modes compiled --methods resident,ws-auto --reps 5 --method-seconds 200 --emulate-precision-casts ;;
 *) echo "unknown part $1" >&2; exit 2 ;;
 esac
