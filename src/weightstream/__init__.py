@@ -4,6 +4,7 @@
     handle = ws.offload(model, gpu_memory="6GiB")   # in place; the model stays an nn.Module
     print(handle.stats)
     handle.restore()
+    handle = ws.offload(pipe, gpu_memory="12GiB")  # a diffusers pipeline: one budget for all its models
 """
 
 from .errors import (
@@ -18,6 +19,7 @@ from .errors import (
 )
 from .hf import from_pretrained
 from .offload import OffloadHandle, OffloadStats, handle_of, offload
+from .pipeline import PipelineHandle, PipelineStats
 from .plan import Placement
 from .probe import H200 as REFERENCE_PROFILE
 from .probe import MachineProfile
@@ -34,6 +36,8 @@ __all__ = [
     "OffloadStateError",
     "OffloadStats",
     "PinnedMemoryError",
+    "PipelineHandle",
+    "PipelineStats",
     "Placement",
     "UnsupportedTensorError",
     "WeightstreamError",

@@ -38,7 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     probe.add_argument("--refresh", action="store_true", help="measure again even if cached")
     plan = sub.add_parser("plan", help="show where a model's weights would go under a budget")
     plan.add_argument("model", help="a built-in shape (llama-3-8b, qwen2.5-32b, mixtral-8x7b, llama-3-70b) "
-                                    "or a local folder with config.json")
+                                    "or a local folder with config.json, or a diffusers pipeline folder "
+                                    "(model_index.json): one budget split across its components")
     plan.add_argument("--gpu-memory", required=True, help='GPU budget for the weights, e.g. "20GiB"')
     plan.add_argument("--tokens", type=int, default=1, help="tokens per forward to plan for (default 1)")
     plan.add_argument("--strategy", default="auto", choices=["auto", "stream", "uva"])
@@ -46,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
                       help="dtype to plan in (default: a folder's checkpoint dtype; bfloat16 for built-ins)")
     plan.add_argument("--cpu-memory", default=None,
                       help='host memory for offloaded weights, as for from_pretrained (default: no limit)')
+    plan.add_argument("--steps", type=int, default=28, help="denoising steps per generation (pipelines)")
     plan.add_argument("--json", action="store_true", help="print JSON for tools")
     plan.add_argument("--compress", default="false", choices=["auto", "true", "false"],
                       help="stream groups losslessly compressed (default false)")
@@ -70,13 +72,18 @@ def _run(args: argparse.Namespace) -> int:
         return _probe(args.refresh)
     if args.command == "plan":
         import json
+        import os
 
+        from .pipeline import format_pipeline_plan, plan_pipeline
         from .planview import format_report, plan_report
 
+        pipeline = os.path.isfile(os.path.join(args.model, "model_index.json"))  # a diffusers pipeline folder
         compress = {"auto": "auto", "true": True, "false": False}[args.compress]
-        report = plan_report(args.model, args.gpu_memory, args.tokens, args.strategy, dtype=args.dtype,
-                             cpu_memory=args.cpu_memory, compress=compress)
-        print(json.dumps(report, indent=1) if args.json else format_report(report))
+        report = (plan_pipeline(args.model, args.gpu_memory, args.steps, args.strategy) if pipeline
+                  else plan_report(args.model, args.gpu_memory, args.tokens, args.strategy, dtype=args.dtype,
+                                   cpu_memory=args.cpu_memory, compress=compress))
+        text = format_pipeline_plan(report) if pipeline else format_report(report)
+        print(json.dumps(report, indent=1) if args.json else text)
         return 0
     if args.command == "generate":
         from .generate import generate_text

@@ -767,7 +767,13 @@ def offload(
         Hugging Face-initialized bf16 weights) and decode them on the GPU into the slots: True, False
         (the default) or "auto" (when the planner predicts it faster; never on the CPU backend).
         Outputs stay bit-identical; landing buffers for the compressed bytes count in `gpu_memory`.
+
+    A diffusers pipeline is offloaded as a whole (`pipeline.offload_pipeline`, a `PipelineHandle`).
     """
+    from .pipeline import is_pipeline, offload_pipeline
+
+    if is_pipeline(model):  # a diffusers pipeline: one budget over its components (pipeline.py)
+        return offload_pipeline(model, gpu_memory, device=device, pin_memory=pin_memory, strategy=strategy)
     prep = prepare(model, gpu_memory, device, blocks, strategy=strategy, tokens=tokens,
                    pin_memory=pin_memory, profile=profile, placement=placement,
                    compress=compress)

@@ -10,7 +10,8 @@ result schema. Each file is one idea:
 | `methods/` | the method registry (`methods/__init__.py`) and one file per family of methods |
 | `shapes.py` | the model shapes (`SHAPES`), `ModelKind`, build a model where it fits |
 | `causal_lm.py` | the causal-LM model kind: build with random bf16 weights, input ids, forward |
-| `phases.py` | `decode-bN`, `prefill-N` (`PHASE_KINDS`) |
+| `diffusion.py` | the diffusion model kind: Flux, Wan, T5 encoder from published configs; one denoise step |
+| `phases.py` | `decode-bN`, `prefill-N`, `denoise-bN` (`PHASE_KINDS`) |
 | `schema.py` | `ResultRow`, the document, `validate`, `write_json`, `load_results` |
 | `legacy.py` | readers of the result files of `bench_core`, `bench_plan`, `bench_load` (the old scripts) |
 | `memory.py`, `progress.py` | bytes and GPU memory; progress lines and error summaries |
@@ -30,10 +31,9 @@ How to add:
   from `weightstream/shapes.py`, so a planning shape is benched as soon as it is added there).
 - quantized weights (fp8, int4): a model kind in its own file (e.g. `quantized_lm.py`: `CausalLM` whose
   `build` converts the linear weights and whose `dtype_name` says so), plus `Shape` entries using it.
-- a diffusion model with a denoising step: a model kind in its own file (`diffusion.py`: `build` from a
-  diffusers config, `inputs` = latents per phase with the fixed timestep and conditioning built in,
-  `forward` = one denoiser call returning the sample), a `PhaseKind("denoise-bN", ...)` entry in
-  `phases.PHASE_KINDS`, and its `Shape` entries. The runner, report and schema do not change.
+- a diffusion shape: one entry in `diffusion.SHAPE_FIELDS` (the constructor's keywords, `model_type` =
+  the class, `input_*` = the step's geometry). The model kind's `resolve` gives `denoise-bN` its tokens
+  per sample (the runner calls `shapes.resolve_phase`).
 - a multi-rank run: each rank runs `run_suite` on its shard with its own `--out` (e.g. with a rank
   suffix) and a method whose `prepare` offloads that rank's shard; the report already merges several
   documents of one shape. A `rank` field in the header would say which is which.

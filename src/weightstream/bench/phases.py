@@ -1,6 +1,7 @@
 """Phases: what one timed forward is fed, by name. `decode-bN` = 1 new token for each of N sequences
 (no KV cache: the step's weight traffic, not attention over a context); `prefill-N` = N tokens of one
-sequence.
+sequence; `denoise-bN` = one denoising step of N images or videos (a diffusion shape says how many
+tokens one sample is).
 
 A new kind of phase (a diffusion model's `denoise-bN` step) is one `PhaseKind` entry in `PHASE_KINDS`;
 what a phase's input tensor holds is the model kind's business (`shapes.ModelKind.inputs`).
@@ -48,6 +49,9 @@ class PhaseKind:
 PHASE_KINDS = (
     PhaseKind("decode-bN", r"decode-b(\d+)", lambda name, n: Phase(name, n, 1), "1 token, batch N"),
     PhaseKind("prefill-N", r"prefill-(\d+)", lambda name, n: Phase(name, 1, n), "N tokens, batch 1"),
+    # tokens per sample come from the shape: its model kind's `resolve` fills them in (diffusion.py)
+    PhaseKind("denoise-bN", r"denoise-b(\d+)", lambda name, n: Phase(name, n, 1),
+              "one denoising step of N samples (diffusion shapes)"),
 )
 
 

@@ -39,7 +39,7 @@ from .phases import Phase, parse_phase
 from .progress import first_line, log
 from .report import describe, fmt
 from .schema import MODES, ResultRow, write_json
-from .shapes import Shape, build_device, build_model, get_shape, shape_weight_bytes
+from .shapes import Shape, build_device, build_model, get_shape, resolve_phase, shape_weight_bytes
 from .timeline import store_timeline
 
 
@@ -327,6 +327,7 @@ def _run(shape, budgets, phases, methods, modes, reps, device, out_path, seed, t
 
 def _start(shape, budgets, phases, modes, reps, device, out_path, seed, timeline, command) -> Suite:
     """Measure the link, build the model where it fits, make the inputs and the document header."""
+    phases = [resolve_phase(get_shape(shape), p) for p in phases]  # a diffusion step's tokens
     weights = shape_weight_bytes(shape)
     budget_bytes = [resolve_budget(b, weights) for b in budgets]
     bandwidth = h2d_bandwidth(device) if device.type == "cuda" else None

@@ -17,6 +17,8 @@ from torch import nn
 from ..shapes import SHAPES as PLANNING_SHAPES
 from ..sizes import format_size
 from .causal_lm import CAUSAL_LM
+from .diffusion import SHAPE_FIELDS as DIFFUSION_SHAPES
+from .diffusion import Diffusion
 from .memory import module_bytes
 from .phases import Phase
 
@@ -69,7 +71,14 @@ SHAPES = {
     **{name: Shape(name, fields) for name, fields in PLANNING_SHAPES.items()},
     "tiny": Shape("tiny", TINY),
     "tiny-moe": Shape("tiny-moe", TINY_MOE),
+    **{name: Shape(name, fields, Diffusion(fields)) for name, fields in DIFFUSION_SHAPES.items()},
 }
+
+
+def resolve_phase(shape: Shape, phase: Phase) -> Phase:
+    """The phase as this shape runs it: a model kind with a `resolve` (diffusion) fills in its tokens."""
+    resolve = getattr(shape.model, "resolve", None)
+    return resolve(shape.fields, phase) if resolve is not None else phase
 
 
 def get_shape(name: str) -> Shape:

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The diffusion benchmarks on one H200, one part per call (docs/diffusion.md): one denoising step of the
+# Flux.1-dev transformer (1024x1024: 4096 image + 512 text tokens) and of Wan 2.1 14B (480p, 81 frames),
+# random bf16 weights from the published configs, weightstream auto against diffusers' offloading.
+# Usage (repository root, diffusers' wheel in .whl/, $OUT set by the device tool):
+#   bash benchmarks/diffusion_h200.sh PART      PART: flux | wan | flux-compiled | all (flux then wan)
+# Each part writes suite_<name>.json/.log under $OUT and prints the table against max(compute, transfer).
+# `all` stays under about 7 minutes: no method is started after FLUX_SECONDS (140) / WAN_SECONDS (120)
+# of each run, and each method has 45 / 70 s (--method-seconds); what is cut is recorded as skipped.
+set -euo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:?set OUT to the folder for results}
+if ls .whl/diffusers-*.whl >/dev/null 2>&1; then  # only diffusers: other helpers' wheels may sit beside it
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/diffusers-*.whl
+fi
+export PYTHONPATH=src:/tmp/site
+PEERS=diffusers-group,diffusers-leaf,diffusers-model_cpu_offload,diffusers-sequential_cpu_offload
+bench() {  # bench NAME MAX_SECONDS ARGS...
+    local name=$1 max=$2
+    shift 2
+    python3 -m weightstream bench --max-seconds "$max" --out "$OUT/suite_$name.json" --no-timeline \
+        --phases denoise-b1 "$@" 2>&1 | tee "$OUT/suite_$name.log" | grep "^\[" || true
+    python3 benchmarks/diffusion_bound.py "$OUT/suite_$name.json" | tee "$OUT/bound_$name.md"
+}
+flux() {
+    bench flux-dev-transformer ${FLUX_SECONDS:-140} --shape flux-dev-transformer --budgets 12GiB,0.25 \
+        --modes eager --methods resident,ws-auto,$PEERS --reps 5 --method-seconds 45
+}
+wan() {
+    bench wan2.1-14b ${WAN_SECONDS:-120} --shape wan2.1-14b --budgets 0.25 --modes eager \
+        --methods resident,ws-auto,$PEERS --reps 3 --method-seconds 70
+}
+case ${1:?give a part} in
+flux) flux ;;
+wan) wan ;;
+all) flux; wan ;;
+flux-compiled)  # fullgraph compile of the resident and the offloaded transformer: about 4 minutes
+    bench flux-dev-transformer_compiled ${COMPILED_SECONDS:-200} --shape flux-dev-transformer --budgets 12GiB \
+        --modes compiled --methods resident,ws-auto --reps 5 --method-seconds 200 --emulate-precision-casts ;;
+*) echo "unknown part $1" >&2; exit 2 ;;
+esac

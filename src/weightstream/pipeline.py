@@ -1,0 +1,303 @@
+"""`offload(pipe, gpu_memory=...)` for a diffusers `DiffusionPipeline`: one budget over all its models.
+
+A pipeline is not an `nn.Module`: it holds several (text encoders, a transformer or UNet, a VAE) that
+run at different rates. A generation of S steps calls the denoiser S times and each other model once,
+so a byte kept resident in the denoiser saves S times what it saves in a text encoder. The planner
+therefore plans the components together: for each it lists every placement the cost model knows
+(`plan._candidates`), keeps the Pareto front (GPU bytes against predicted ms), weights each front by
+the component's calls per generation, and picks the combination of one placement per component that
+fits the budget with the least predicted time for the whole generation (an exact merge of the fronts,
+not a greedy split). Each component is then offloaded on its own with that placement (`offload(...,
+placement=...)`), so every engine guarantee (exactness, compile, graphs) holds per component.
+
+Staging memory is not shared between components that never run at the same time: each component's
+slots are its own GPU buffers (docs/diffusion.md says why sharing them is not exact yet).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .cost import ModelCost
+from .errors import BudgetError, OffloadStateError
+from .offload import OffloadHandle, OffloadStats, offload, prepare
+from .plan import STRATEGIES, Placement, _candidates, placement_of
+from .probe import MachineProfile, load_profile
+from .sizes import format_size, parse_size
+
+DENOISERS = ("transformer", "transformer_2", "unet", "prior", "decoder")  # called once per step
+DEFAULT_STEPS = 28
+DEFAULT_TOKENS = {"denoiser": 4096, "other": 512}  # tokens per forward the cost model plans for
+_PIPE_ATTR = "_weightstream_pipeline_handle"
+
+
+def is_pipeline(obj) -> bool:
+    """True for a diffusers `DiffusionPipeline` (anything not an nn.Module with a `components` dict)."""
+    return not isinstance(obj, nn.Module) and isinstance(getattr(obj, "components", None), dict)
+
+
+def modules_of(pipe) -> dict[str, nn.Module]:
+    """The pipeline's nn.Module components by name (tokenizers, schedulers and None left out)."""
+    return {name: m for name, m in pipe.components.items() if isinstance(m, nn.Module)}
+
+
+@dataclass(frozen=True)
+class ComponentPlan:
+    """One component's share of the budget: its placement, calls per generation and tokens per call."""
+
+    name: str
+    placement: Placement
+    calls: int
+    tokens: int
+
+    @property
+    def generation_ms(self) -> float:
+        """Predicted ms this component spends in one generation (calls x ms per call)."""
+        return self.calls * self.placement.prediction.ms
+
+
+def front(cost: ModelCost, tokens: int, profile: MachineProfile, strategy: str) -> list[Placement]:
+    """The Pareto front of a component's placements: sorted by GPU bytes, each faster than every
+    smaller one (predicted ms per call)."""
+    n = len(cost.block_bytes)
+    max_part = max((len(t) for t in cost.tensor_bytes), default=0)
+    points = [placement_of(cost, s, k, u, part, tokens, profile)
+              for s, u, k, part in _candidates(n, strategy, 2, max_part)]
+    points.sort(key=lambda p: (p.gpu_bytes, p.prediction.ms))
+    kept: list[Placement] = []
+    for p in points:
+        if not kept or p.prediction.ms < kept[-1].prediction.ms:
+            kept.append(p)
+    return kept
+
+
+def split_budget(costs: dict[str, ModelCost], budget: int, calls: dict[str, int], tokens: dict[str, int],
+                 profile: MachineProfile, strategy: str = "auto") -> dict[str, ComponentPlan]:
+    """One placement per component, together within `budget` bytes, minimizing the predicted time of a
+    generation: sum over components of calls x predicted ms per call. Pure logic. Raises BudgetError
+    with the least budget that fits when none does."""
+    fronts = {name: front(cost, tokens[name], profile, strategy) for name, cost in costs.items()}
+    minimum = sum(f[0].gpu_bytes for f in fronts.values())
+    if minimum > budget:
+        raise BudgetError(
+            f"gpu_memory={format_size(budget)} cannot hold what the pipeline's models must keep on the GPU "
+            f"({', '.join(f'{n} {format_size(f[0].gpu_bytes)}' for n, f in fronts.items())}): give at least "
+            f"{format_size(minimum)} ({minimum} bytes)", minimum)
+    combos: list[tuple[int, float, tuple[Placement, ...]]] = [(0, 0.0, ())]
+    for name, points in fronts.items():
+        merged = [(b + p.gpu_bytes, ms + calls[name] * p.prediction.ms, chosen + (p,))
+                  for b, ms, chosen in combos for p in points if b + p.gpu_bytes <= budget]
+        merged.sort(key=lambda c: (c[0], c[1]))
+        combos = []
+        for c in merged:  # keep the front: more bytes only when it is faster
+            if not combos or c[1] < combos[-1][1]:
+                combos.append(c)
+    best = min(combos, key=lambda c: (c[1], c[0]))
+    return {name: ComponentPlan(name, p, calls[name], tokens[name])
+            for name, p in zip(fronts, best[2], strict=True)}
+
+
+@dataclass(frozen=True)
+class PipelineStats:
+    """Per-component `OffloadStats` and the totals. Sizes in bytes; predicted_ms: one generation."""
+
+    components: dict[str, OffloadStats]
+    calls: dict[str, int]
+    gpu_bytes: int
+    budget_bytes: int
+    predicted_ms: float
+
+    def __str__(self) -> str:
+        lines = [f"pipeline: {format_size(self.gpu_bytes)} of weights on the GPU of a "
+                 f"{format_size(self.budget_bytes)} budget; predicted {self.predicted_ms:.4g} ms per "
+                 "generation"]
+        lines += [f"  {name} (x{self.calls[name]} per generation): {s}"
+                  for name, s in self.components.items()]
+        return "\n".join(lines)
+
+
+class PipelineHandle:
+    """The state of an offloaded pipeline. `handles` and `placements` map each nn.Module component's
+    name to its `OffloadHandle` and `Placement`; `plans` to its `ComponentPlan`; `restore()` undoes
+    every component's offload."""
+
+    def __init__(self, pipe, plans: dict[str, ComponentPlan], handles: dict[str, OffloadHandle],
+                 budget: int) -> None:
+        self.pipe = pipe
+        self.plans = plans
+        self.handles = handles
+        self.placements = {name: p.placement for name, p in plans.items()}
+        self.budget_bytes = budget
+        self.restored = False
+
+    @property
+    def stats(self) -> PipelineStats:
+        """Each component's stats, the GPU bytes of all of them and the predicted ms per generation."""
+        return PipelineStats({n: h.stats for n, h in self.handles.items()},
+                             {n: p.calls for n, p in self.plans.items()},
+                             sum(p.placement.gpu_bytes for p in self.plans.values()), self.budget_bytes,
+                             sum(p.generation_ms for p in self.plans.values()))
+
+    def restore(self, device: str | torch.device | None = None):
+        """Restore every component (see `OffloadHandle.restore`); returns the pipeline."""
+        if self.restored:
+            raise OffloadStateError("this pipeline handle was already restored")
+        for handle in self.handles.values():
+            handle.restore(device)
+        delattr(self.pipe, _PIPE_ATTR)
+        self.restored = True
+        return self.pipe
+
+
+def _resolve_calls(names, steps: int, calls: dict[str, int] | None, tokens: dict[str, int] | None):
+    calls, tokens = dict(calls or {}), dict(tokens or {})
+    for name in names:
+        role = "denoiser" if name in DENOISERS else "other"
+        calls.setdefault(name, steps if role == "denoiser" else 1)
+        tokens.setdefault(name, DEFAULT_TOKENS[role])
+        if calls[name] < 0 or tokens[name] < 1:
+            raise ValueError(f"{name}: calls={calls[name]}, tokens={tokens[name]}: give calls >= 0 and "
+                             "tokens >= 1 per component")
+    return calls, tokens
+
+
+def component_costs(modules: dict[str, nn.Module], device, allow_meta: bool = False) -> dict[str, ModelCost]:
+    """Each component's cost model view, without planning (a zero placement skips the planner)."""
+    empty = Placement((), 0, 0, 0, 0)
+    return {name: prepare(m, 0, device, allow_meta=allow_meta, placement=empty).cost
+            for name, m in modules.items()}
+
+
+def offload_pipeline(
+    pipe,
+    gpu_memory: int | str,
+    *,
+    device: str | torch.device | None = None,
+    pin_memory: bool = True,
+    strategy: str = "auto",
+    steps: int = DEFAULT_STEPS,
+    calls: dict[str, int] | None = None,
+    tokens: dict[str, int] | None = None,
+) -> PipelineHandle:
+    """Offload every nn.Module component of a diffusers pipeline in place under one `gpu_memory` budget
+    (bytes or "12GiB": resident weights plus staging slots of all components together); return the
+    `PipelineHandle`. `ws.offload(pipe, ...)` hands pipelines here.
+
+    steps: denoising steps per generation to plan for (the denoiser, `transformer` or `unet`, runs once
+        per step; every other component once). calls: calls per generation by component name, to
+        override that. tokens: tokens per forward by component name (default 4096 for the denoiser,
+        a 1024x1024 Flux image; 512 for the rest). strategy, pin_memory, device: as for `offload`.
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy={strategy!r}: choose one of {', '.join(STRATEGIES)}")
+    if getattr(pipe, _PIPE_ATTR, None) is not None:
+        raise OffloadStateError("this pipeline is already offloaded: call handle.restore() before offloading "
+                                "again")
+    budget = parse_size(gpu_memory)
+    modules = modules_of(pipe)
+    if not modules:
+        raise OffloadStateError(f"{type(pipe).__name__} has no nn.Module components to offload")
+    for name, m in modules.items():
+        if m.training:
+            raise OffloadStateError(f"pipe.{name} is in training mode: call pipe.{name}.eval() "
+                                    "(from_pretrained pipelines are in eval mode already)")
+        m.requires_grad_(False)  # a pipeline runs under no_grad: gradients are never used
+    calls, tokens = _resolve_calls(modules, steps, calls, tokens)
+    costs = component_costs(modules, device)
+    profile = load_profile(torch.device(device) if device is not None else
+                           torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    plans = split_budget(costs, budget, calls, tokens, profile, strategy)
+    handles: dict[str, OffloadHandle] = {}
+    try:
+        for name, m in modules.items():
+            p = plans[name].placement
+            handles[name] = offload(m, p.gpu_bytes, device=device, pin_memory=pin_memory, placement=p)
+    except BaseException:
+        for h in handles.values():
+            h.restore()
+        raise
+    handle = PipelineHandle(pipe, plans, handles, budget)
+    setattr(pipe, _PIPE_ATTR, handle)
+    return handle
+
+
+def meta_components(folder: str, dtype: torch.dtype = torch.bfloat16) -> dict[str, nn.Module]:
+    """The nn.Module components of a local diffusers pipeline folder (`model_index.json` and one
+    subfolder with a config.json per component), built on the meta device: sizes, no memory, no weights
+    read. Tokenizers and schedulers are left out."""
+    import importlib
+    import json
+    import os
+
+    with open(os.path.join(folder, "model_index.json")) as f:
+        index = json.load(f)
+    modules: dict[str, nn.Module] = {}
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        for name, entry in index.items():
+            if name.startswith("_") or not isinstance(entry, list) or None in entry:
+                continue
+            library, class_name = entry
+            cls = getattr(importlib.import_module(library), class_name, None)
+            if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+                continue
+            sub = os.path.join(folder, name)
+            with torch.device("meta"):
+                if library == "transformers":
+                    from transformers import AutoConfig
+
+                    model = cls(AutoConfig.from_pretrained(sub))
+                else:
+                    model = cls.from_config(cls.load_config(sub))
+            modules[name] = model.eval().requires_grad_(False)
+    finally:
+        torch.set_default_dtype(previous)
+    return modules
+
+
+def plan_pipeline(folder: str, gpu_memory: int | str, steps: int = DEFAULT_STEPS,
+                  strategy: str = "auto", profile: MachineProfile | None = None) -> dict:
+    """`weightstream plan` for a pipeline folder: each component's placement under one `gpu_memory`
+    budget (as `offload(pipe, ...)` would split it), its calls per generation and predicted ms; plain
+    data. Components are built in bf16 on the meta device from their configs (no weights read)."""
+    modules = meta_components(folder)
+    budget = parse_size(gpu_memory)
+    calls, tokens = _resolve_calls(modules, steps, None, None)
+    if profile is None:
+        profile = load_profile("cuda" if torch.cuda.is_available() else "cpu")
+    plans = split_budget(component_costs(modules, "cpu", allow_meta=True), budget, calls, tokens, profile,
+                         strategy)
+    rows = {}
+    for name, p in plans.items():
+        pl = p.placement
+        rows[name] = {"class": type(modules[name]).__name__, "calls": p.calls, "tokens": p.tokens,
+                      "weight_bytes": pl.resident_bytes + pl.streamed_bytes, "gpu_bytes": pl.gpu_bytes,
+                      "resident_bytes": pl.resident_bytes, "streamed_blocks": len(pl.streamed),
+                      "zero_copy_blocks": len(pl.uva), "slots": pl.n_slots, "slot_bytes": pl.slot_bytes,
+                      "strategy": pl.strategy, "ms_per_call": round(pl.prediction.ms, 2),
+                      "ms_per_generation": round(p.generation_ms, 1)}
+    return {"pipeline": folder, "budget_bytes": budget, "steps": steps,
+            "profile": {"gpu": profile.gpu, "h2d_GBps": round(profile.h2d_GBps, 1)},
+            "gpu_bytes": sum(r["gpu_bytes"] for r in rows.values()),
+            "predicted_ms_per_generation": round(sum(p.generation_ms for p in plans.values()), 1),
+            "components": rows}
+
+
+def format_pipeline_plan(r: dict) -> str:
+    """A readable table of `plan_pipeline`'s result."""
+    lines = [f"{r['pipeline']}: budget {format_size(r['budget_bytes'])} for all components, {r['steps']} "
+             f"steps, on {r['profile']['gpu']} ({r['profile']['h2d_GBps']} GB/s host->GPU)",
+             f"{'component':16}{'calls':>6}{'weights':>12}{'on GPU':>12}{'streamed':>9}{'zero copy':>10}"
+             f"{'ms/call':>10}{'ms/gen':>10}  strategy"]
+    for name, c in r["components"].items():
+        lines.append(f"{name:16}{c['calls']:>6}{format_size(c['weight_bytes']):>12}"
+                     f"{format_size(c['gpu_bytes']):>12}{c['streamed_blocks']:>9}{c['zero_copy_blocks']:>10}{c['ms_per_call']:>10.1f}"
+                     f"{c['ms_per_generation']:>10.1f}  {c['strategy']}")
+    lines.append(f"GPU memory for weights: {format_size(r['gpu_bytes'])}; predicted "
+                 f"{r['predicted_ms_per_generation']:.0f} ms per generation (denoiser steps plus one call of "
+                 "each other component; the VAE's convolutions are costed as GEMMs, a rough guess)")
+    return "\n".join(lines)
