@@ -275,10 +275,10 @@ def plan_pipeline(folder: str, gpu_memory: int | str, steps: int = DEFAULT_STEPS
     for name, p in plans.items():
         pl = p.placement
         rows[name] = {"class": type(modules[name]).__name__, "calls": p.calls, "tokens": p.tokens,
-                      "weight_bytes": pl.resident_bytes + pl.streamed_bytes, "gpu_bytes": pl.gpu_bytes,
+                      "weight_bytes": pl.resident_bytes + pl.offloaded_bytes, "gpu_bytes": pl.gpu_bytes,
                       "resident_bytes": pl.resident_bytes, "streamed_blocks": len(pl.streamed),
                       "zero_copy_blocks": len(pl.uva), "slots": pl.n_slots, "slot_bytes": pl.slot_bytes,
-                      "strategy": pl.strategy, "ms_per_call": round(pl.prediction.ms, 2),
+                      "placement_kind": pl.kind, "ms_per_call": round(pl.prediction.ms, 2),
                       "ms_per_generation": round(p.generation_ms, 1)}
     return {"pipeline": folder, "budget_bytes": budget, "steps": steps,
             "profile": {"gpu": profile.gpu, "h2d_GBps": round(profile.h2d_GBps, 1)},
@@ -296,7 +296,7 @@ def format_pipeline_plan(r: dict) -> str:
     for name, c in r["components"].items():
         lines.append(f"{name:16}{c['calls']:>6}{format_size(c['weight_bytes']):>12}"
                      f"{format_size(c['gpu_bytes']):>12}{c['streamed_blocks']:>9}{c['zero_copy_blocks']:>10}{c['ms_per_call']:>10.1f}"
-                     f"{c['ms_per_generation']:>10.1f}  {c['strategy']}")
+                     f"{c['ms_per_generation']:>10.1f}  {c['placement_kind']}")
     lines.append(f"GPU memory for weights: {format_size(r['gpu_bytes'])}; predicted "
                  f"{r['predicted_ms_per_generation']:.0f} ms per generation (denoiser steps plus one call of "
                  "each other component; the VAE's convolutions are costed as GEMMs, a rough guess)")
