@@ -344,7 +344,7 @@ def test_a_given_profile_is_the_planners_only_machine_input(monkeypatch):
 
     from weightstream.plan import plan
 
-    offload_module = importlib.import_module("weightstream.offload")  # the module, not the function
+    offload_module = importlib.import_module("weightstream.prepare")  # where prepare() reads the profile
 
     def no_machine(*args, **kwargs):
         raise AssertionError("the machine's profile was read")

@@ -1,0 +1,234 @@
+"""Preparing an offload: check the model, find its blocks and tensors, build the cost model's view of
+it and plan the placement (`plan.py`), group the off-GPU tensors into byte layouts, and decide every
+tensor's final place. Moves nothing: `offload.py` (and `hf.py`, which reads a checkpoint straight into
+the places) does the moving.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .blocks import find_blocks
+from .codec import choose
+from .cost import ModelCost, largest
+from .entries import Entry, _collect
+from .errors import ArgumentError, OffloadStateError, WeightstreamError
+from .host import HostArena
+from .layout import Slice, pack
+from .plan import Placement, plan
+from .probe import MachineProfile, load_profile
+from .sizes import format_size, parse_size
+from .streamed import _blocked_apply
+
+
+def _check_model(model: nn.Module, entries: list[Entry], allow_meta: bool) -> None:
+    if any(getattr(m.__dict__.get("_apply"), "__func__", None) is _blocked_apply for m in model.modules()):
+        raise OffloadStateError(
+            "this model (or a submodule) is already offloaded: call handle.restore() before offloading again"
+        )
+    for entry in entries:
+        site = entry.sites[0]
+        if entry.tensor.is_meta and not allow_meta:
+            raise OffloadStateError(
+                f"{type(site.module).__name__}.{site.name} is on the meta device: load the weights first "
+                "(e.g. from_pretrained, or model.to_empty() and a state dict)"
+            )
+
+
+def _resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ArgumentError(f"device={device!r}: give 'cuda', 'cuda:N' or 'cpu'") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise WeightstreamError(
+                f"device={device} asked for, but CUDA is not available here: use device='cpu'"
+            )
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    elif device.type != "cpu":
+        raise ArgumentError(f"device={device}: weightstream supports 'cuda' and 'cpu'")
+    return device
+
+
+@dataclass
+class Prepared:
+    """A model whose placement is decided but whose tensors are not yet in their final places."""
+
+    model: nn.Module
+    device: torch.device
+    block_names: list[str]
+    block_modules: list[nn.Module]
+    entries: list[Entry]
+    placement: Placement
+    groups: list[list[tuple[Entry, Slice]]]  # streamed groups, in forward order
+    group_bytes: list[int]
+    uva_groups: list[list[tuple[Entry, Slice]]]  # zero-copy blocks
+    uva_group_bytes: list[int]
+    cost: ModelCost
+    wire: list | None = None  # each streamed group's codec.EncodedGroup (None: raw); None: nothing coded
+
+    @property
+    def host_groups(self) -> list[list[tuple[Entry, Slice]]]:
+        """Every group whose bytes live in the host arena: streamed ones, then zero-copy ones."""
+        return self.groups + self.uva_groups
+
+    @property
+    def host_group_bytes(self) -> list[int]:
+        return self.group_bytes + self.uva_group_bytes
+
+
+def _plain(entry: Entry) -> bool:
+    """True for a plain tensor (the codec codes its bytes); a tensor subclass streams raw."""
+    return entry.flat is None and type(entry.tensor) in (torch.Tensor, nn.Parameter)
+
+
+def _wire_nbytes(entry: Entry) -> int:
+    """An entry's predicted bytes on the wire when compressed (codec.choose); raw for a subclass."""
+    return choose(entry.tensor).nbytes if _plain(entry) else entry.nbytes
+
+
+def model_cost(entries: list[Entry], per_block: list[list[Entry]], slot_bytes: list[int], width: int = 0,
+               routing: tuple[int, int] = (0, 0), wire: bool = False) -> ModelCost:
+    """The cost model's view of a model: fixed bytes, LM head bytes, each block's streamable bytes and
+    staging footprint, the blocks' activation width (0 when unknown) and, for a mixture of experts with
+    `routing` = (experts, experts per token), each block's bytes of routed experts: its 3-D tensors
+    whose first dimension is the expert. `wire`: also each tensor's predicted compressed size
+    (codec.choose, from a sample of its exponents)."""
+    outside = [e.nbytes for e in entries if e.owner is None]
+    block_bytes = tuple(sum(e.nbytes for e in group) for group in per_block)
+    tensor_bytes = tuple(tuple(e.nbytes for e in group) for group in per_block)
+    experts, top_k = routing
+    routed = tuple(sum(e.nbytes for e in group if len(e.shape) == 3 and e.shape[0] == experts)
+                   for group in per_block) if experts else ()
+    quant = tuple(sum(e.nbytes for e in group if e.bf16_bytes != e.nbytes) for group in per_block)
+    quant_bf16 = tuple(sum(e.bf16_bytes for e in group if e.bf16_bytes != e.nbytes) for group in per_block)
+    tensor_wire = tuple(tuple(_wire_nbytes(e) for e in group) for group in per_block) if wire else ()
+    return ModelCost(sum(outside), max(outside, default=0), block_bytes, tuple(slot_bytes), width,
+                     tensor_bytes, routed if any(routed) else (), experts, top_k,
+                     quant if any(quant) else (), quant_bf16 if any(quant) else (), tensor_wire)
+
+
+def expert_routing(model: nn.Module) -> tuple[int, int]:
+    """(experts, experts per token) of a transformers mixture-of-experts model, from its config
+    (`num_local_experts` or `num_experts`, and `num_experts_per_tok`); (0, 0) for any other model."""
+    config = getattr(model, "config", None)
+    experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
+    top_k = getattr(config, "num_experts_per_tok", None)
+    if isinstance(experts, int) and isinstance(top_k, int) and 0 < top_k < experts:
+        return experts, top_k
+    return 0, 0
+
+
+def activation_width(model: nn.Module) -> int:
+    """The hidden size of a transformers model (its config's `hidden_size`), else 0: the cost model
+    then counts GEMM time only."""
+    width = getattr(getattr(model, "config", None), "hidden_size", None)
+    return width if isinstance(width, int) and width > 0 else 0
+
+
+def prepare(
+    model: nn.Module,
+    gpu_memory: int | str,
+    device: str | torch.device | None = None,
+    blocks: list[str] | None = None,
+    allow_meta: bool = False,
+    strategy: str = "auto",
+    tokens: int = 1,
+    pin_memory: bool = True,
+    profile: MachineProfile | None = None,
+    host_bytes: int | None = None,
+    placement: Placement | None = None,
+    compress: bool | str = False,
+) -> Prepared:
+    """Check the model and plan what stays on `device`, what streams and what is read in place
+    (zero copy); moves nothing yet.
+
+    allow_meta: accept parameters on the meta device (a model built empty, to be filled from a
+    checkpoint straight into its final places). strategy, tokens, profile, placement, compress: see
+    `offload`. host_bytes: host memory for the offloaded weights (see `plan.plan`; None: no limit).
+    """
+    budget = parse_size(gpu_memory)
+    device = _resolve_device(device)
+    if not isinstance(model, nn.Module):
+        raise ArgumentError(f"offload() takes an nn.Module, got {type(model).__name__}")
+    if profile is not None and not isinstance(profile, MachineProfile):
+        raise ArgumentError(
+            f"profile={type(profile).__name__}: give a weightstream.MachineProfile (e.g. "
+            "weightstream.REFERENCE_PROFILE, or MachineProfile.from_json of a `weightstream probe` cache)"
+        )
+    found = find_blocks(model, blocks)
+    block_modules = [b.module for b in found]
+    entries = _collect(model, block_modules)
+    _check_model(model, entries, allow_meta)
+
+    per_block: list[list[Entry]] = [[] for _ in found]
+    for entry in entries:
+        if entry.owner is not None:
+            per_block[entry.owner].append(entry)
+    layouts = [pack([e.nbytes for e in group]) for group in per_block]
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+        raise ArgumentError(f"tokens={tokens!r}: give the tokens per forward to optimize for, an int >= 1")
+    if strategy == "uva" and device.type == "cuda" and not pin_memory:
+        raise ArgumentError("strategy='uva' reads pinned host memory in place: it needs pin_memory=True")
+    if compress not in (True, False, "auto"):
+        raise ArgumentError(f"compress={compress!r}: choose True, False or 'auto'")
+    if compress == "auto" and device.type != "cuda" and not allow_meta:
+        compress = False  # no link to save on the CPU backend (a plan from sizes alone keeps "auto")
+    cost = model_cost(entries, per_block, [size for _, size in layouts], activation_width(model),
+                      expert_routing(model), wire=compress is not False)
+    if placement is None:
+        profile = load_profile(device) if profile is None else profile
+        placement = plan(cost, budget, tokens, profile, strategy, host_bytes=host_bytes, compress=compress)
+    elif placement.gpu_bytes > budget or max(placement.streamed + placement.uva, default=-1) >= len(found):
+        raise ArgumentError(
+            f"the given placement needs {format_size(placement.gpu_bytes)} of GPU memory for blocks up to "
+            f"{max(placement.streamed + placement.uva, default=-1)}; the budget is {format_size(budget)} "
+            f"and the model has {len(found)} blocks: make it with plan.placement_of for this model"
+        )
+
+    def grouped(indices, part=0):
+        """Each block's (entry, slice) pairs and region size: its `part` largest tensors (0: all)."""
+        groups, sizes = [], []
+        for i in indices:
+            chosen = [per_block[i][j] for j in largest(cost.tensor_bytes[i], part)]
+            slices, size = pack([e.nbytes for e in chosen]) if part else layouts[i]
+            groups.append(list(zip(chosen, slices, strict=True)))
+            sizes.append(size)
+        return groups, sizes
+
+    groups, group_bytes = grouped(placement.streamed, placement.part)
+    uva_groups, uva_group_bytes = grouped(placement.uva)
+    return Prepared(model, device, [b.name for b in found], block_modules, entries, placement, groups,
+                    group_bytes, uva_groups, uva_group_bytes, cost)
+
+
+def final_places(
+    prep: Prepared, arena: HostArena, keep_on_device: bool, disk_groups: frozenset[int] = frozenset()
+) -> dict[int, torch.Tensor]:
+    """The final home of every entry, keyed by id(entry): a view into the host arena for a streamed
+    tensor, a tensor on the device for a resident one (the entry's own when `keep_on_device` and it is
+    already there, else a new empty one). Entries of `disk_groups` have none: they stay in their files."""
+    places: dict[int, torch.Tensor] = {}
+    for g, group in enumerate(prep.host_groups):
+        if g in disk_groups:
+            continue
+        region = arena.region(g)
+        for entry, sl in group:
+            places[id(entry)] = entry.view_of(region[sl.offset : sl.offset + sl.nbytes])
+    off_device = {id(e) for group in prep.host_groups for e, _ in group}
+    for entry in prep.entries:
+        if id(entry) in off_device:
+            continue
+        if keep_on_device and entry.tensor.device == prep.device:
+            places[id(entry)] = entry.own()
+        else:
+            places[id(entry)] = entry.empty(prep.device)
+    return places
+
