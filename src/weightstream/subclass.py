@@ -40,6 +40,13 @@ class Leaf:
 
 
 @dataclass(frozen=True)
+class Opaque:
+    """An inner value of a subclass that is no tensor (a DTensor's DeviceMesh): kept as it is."""
+
+    value: object
+
+
+@dataclass(frozen=True)
 class Node:
     """A subclass in the flattened tree: its class, flatten context, outer size and stride, and each
     inner tensor by name (a Node for a nested subclass, else the index of its Leaf)."""
@@ -48,7 +55,7 @@ class Node:
     ctx: object
     size: tuple[int, ...]
     stride: tuple[int, ...]
-    inner: tuple[tuple[str, Node | int], ...]
+    inner: tuple[tuple[str, Node | Opaque | int], ...]
 
 
 @dataclass(frozen=True)
@@ -73,7 +80,8 @@ class Flattened:
 
 
 def _build(node: Node, leaves: list[torch.Tensor]) -> torch.Tensor:
-    inner = {name: _build(child, leaves) if isinstance(child, Node) else leaves[child]
+    inner = {name: _build(child, leaves) if isinstance(child, Node)
+             else child.value if isinstance(child, Opaque) else leaves[child]
              for name, child in node.inner}
     return node.cls.__tensor_unflatten__(inner, node.ctx, node.size, node.stride)
 
@@ -83,7 +91,8 @@ def leaves_of(tensor: torch.Tensor) -> list[torch.Tensor]:
     if not is_traceable_wrapper_subclass(tensor):
         return [tensor]
     names, _ = tensor.__tensor_flatten__()
-    return [leaf for name in names for leaf in leaves_of(getattr(tensor, name))]
+    inner = [getattr(tensor, name) for name in names]
+    return [leaf for t in inner if isinstance(t, torch.Tensor) for leaf in leaves_of(t)]
 
 
 def _dense(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
@@ -111,7 +120,9 @@ def flatten(tensor: torch.Tensor, name: str) -> Flattened:
     """Lay out wrapper subclass `tensor` (named `name` in messages) as aligned leaf bytes."""
     specs: list[tuple[torch.dtype, tuple[int, ...], tuple[int, ...], int]] = []
 
-    def walk(t: torch.Tensor, path: str) -> Node | int:
+    def walk(t: torch.Tensor, path: str) -> Node | Opaque | int:
+        if not isinstance(t, torch.Tensor):
+            return Opaque(t)  # e.g. a DTensor's device mesh: no bytes to stream
         if not is_traceable_wrapper_subclass(t):
             if type(t) not in _PLAIN:
                 raise UnsupportedTensorError(
