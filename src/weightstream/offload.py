@@ -12,6 +12,7 @@ import threading
 import types
 import warnings
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -39,6 +40,9 @@ from .sizes import format_size
 from .streamed import _blocked_apply, _install_schedule, _streamed_class, _through  # noqa: F401
 from .uva import uva_view
 from .wire import encode_groups, fill_arena, make_transfer
+
+if TYPE_CHECKING:
+    from .pipeline import PipelineHandle
 
 _HANDLE_ATTR = "_weightstream_handle"
 LOCK_TIMEOUT_S = 300.0  # how long a thread waits for another thread's block before it gives up
@@ -332,7 +336,7 @@ def offload(
     profile: MachineProfile | None = None,
     placement: Placement | None = None,
     compress: bool | str = False,
-) -> OffloadHandle:
+) -> OffloadHandle | PipelineHandle:
     """Offload `model` in place so its weights take at most `gpu_memory` on `device`; return the handle.
 
     For inference: the model may come as transformers builds it (training mode, parameters requiring
