@@ -34,8 +34,8 @@ from torch import nn
 import weightstream as ws
 from weightstream import fp8
 from weightstream.blocks import find_blocks
+from weightstream.entries import _collect
 from weightstream.layout import align_up
-from weightstream.offload import _collect
 from weightstream.probe import copy_seconds_per_byte
 from weightstream.shapes import SHAPES
 from weightstream.timing import time_calls

@@ -127,7 +127,7 @@ def with_boundaries(model, names: list[str] | None = None):
     block edges (docs/exactness.md)."""
     from weightstream import ops
     from weightstream.blocks import find_blocks
-    from weightstream.offload import _streamed_class
+    from weightstream.streamed import _streamed_class
 
     model._boundaries = Boundaries()  # the registry holds engines weakly
     engine_id = ops.register(model._boundaries)

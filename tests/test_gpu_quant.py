@@ -17,9 +17,9 @@ from torch import nn
 import weightstream as ws
 from weightstream import fp8, subclass
 from weightstream.blocks import find_blocks
+from weightstream.entries import _collect
 from weightstream.guards import live_parameters
 from weightstream.layout import align_up
-from weightstream.offload import _collect
 
 pytestmark = pytest.mark.gpu
 

@@ -15,8 +15,8 @@ from torch import nn
 
 import weightstream as ws
 from weightstream import fp8, subclass
+from weightstream.entries import _collect
 from weightstream.layout import ALIGN
-from weightstream.offload import _collect
 
 
 def stored_bytes(model) -> int:

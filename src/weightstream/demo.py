@@ -9,7 +9,8 @@ import time
 import torch
 
 from .errors import ArgumentError, BudgetError
-from .offload import _resolve_device, offload, prepare
+from .offload import offload
+from .prepare import _resolve_device, prepare
 from .sizes import format_size
 
 # Built-in shapes: random weights, no download. "gpu" is ~2.2 GB in bf16, "cpu" ~14 MB in fp32.

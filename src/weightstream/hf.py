@@ -22,10 +22,12 @@ from . import fp8
 from .checkpoint import StoredTensor, read_index, read_into, read_json
 from .disk import DiskTier
 from .dtypes import parse_dtype
+from .entries import Entry
 from .errors import BudgetError, CheckpointError
 from .host import HostArena
-from .offload import Entry, final_places, finish, prepare
+from .offload import finish
 from .plan import spread
+from .prepare import final_places, prepare
 from .probe import MachineProfile
 from .sizes import format_size, parse_size
 

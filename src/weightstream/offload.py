@@ -19,25 +19,15 @@ from torch import nn
 
 from . import guards, ops, replay
 from .disk import DiskTier
-from .entries import Entry, TensorSite, _collect, _set_tensor  # noqa: F401  (re-exported)
+from .entries import _set_tensor
 from .errors import OffloadStateError
 from .host import HostArena
 from .plan import Placement
-from .prepare import (  # noqa: F401  (re-exported: prepare and its parts are imported from here)
-    Prepared,
-    _check_model,
-    _plain,
-    _resolve_device,
-    activation_width,
-    expert_routing,
-    final_places,
-    model_cost,
-    prepare,
-)
+from .prepare import Prepared, _plain, _resolve_device, final_places, prepare
 from .probe import MachineProfile
 from .schedule import Schedule
 from .sizes import format_size
-from .streamed import _blocked_apply, _install_schedule, _streamed_class, _through  # noqa: F401
+from .streamed import _blocked_apply, _install_schedule
 from .uva import uva_view
 from .wire import encode_groups, fill_arena, make_transfer
 
@@ -137,7 +127,7 @@ class OffloadHandle:
         self._streamed_modules: list[nn.Module] = []
         self._patched: list[nn.Module] = []
         self.engine_id = ops.register(self)
-        replay.install(ops.engines)
+        replay.install()
         self.restored = False
 
     # --- the schedule, called from the custom ops -------------------------------------------------

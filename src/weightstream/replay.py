@@ -16,19 +16,20 @@ covers `torch.cuda.graph`, `torch.cuda.make_graphed_callables` and torch.compile
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 
 import torch
 
+from . import ops
+
 _installed = False
-_engines: Callable[[], Iterable] = lambda: ()  # noqa: E731  set by install()
 
 
 def notify() -> None:
     """Make every live engine join its copies in flight and forget its slots' contents. Called before
     a graph capture begins, before and after it ends and before each replay (tests call it to
     simulate one)."""
-    for engine in list(_engines()):
+    for engine in ops.engines():
         engine.on_graph_event()
 
 
@@ -45,11 +46,9 @@ def _wrap(method: Callable, after: bool = False) -> Callable:
     return wrapper
 
 
-def install(engines: Callable[[], Iterable]) -> None:
-    """Wrap `torch.cuda.CUDAGraph` once; `engines()` yields the live engines (each has
-    `on_graph_event()`). A build without CUDA graphs gets only the registry (tests call `notify`)."""
-    global _installed, _engines
-    _engines = engines
+def install() -> None:
+    """Wrap `torch.cuda.CUDAGraph` once (nothing to wrap without CUDA; tests call `notify`)."""
+    global _installed
     if _installed:
         return
     _installed = True

@@ -112,16 +112,15 @@ class Schedule:
         if self.content[plan.slot] == group:
             return plan
         plan.hit = False
-        if predicted is None:
+        if predicted is None:  # a prologue: this group begins a pass
             self.pass_start = group
-        plan.copies = self._fill(group, capturing)
-        if predicted is None:
             self.prologues += 1
             self.misses_last_pass = 0
         else:
             plan.miss = True
             self.misses += 1
             self.misses_last_pass += 1
+        plan.copies = self._fill(group, capturing)
         return plan
 
     def on_release(self, group: int, capturing: bool = False) -> ReleasePlan:
