@@ -1,6 +1,7 @@
 """Tiny models beyond decoder-only LLMs, built from configs with random weights (no downloads), each
-with the inputs of one forward: diffusers' transformers, UNet and VAE; transformers' CLIP, T5, Whisper
-and Jamba; a root-level nn.Sequential. `ZOO[name]()` returns (model, inputs as kwargs)."""
+with the inputs of one forward: diffusers' transformers, UNet and VAE; transformers' CLIP, the T5
+encoder (T5 and Whisper encoder-decoders in SEQ2SEQ) and Jamba; a root-level nn.Sequential.
+`ZOO[name]()` returns (model, inputs as kwargs)."""
 
 from __future__ import annotations
 
@@ -110,8 +111,18 @@ def sequential(seed: int = 0):
     return model, dict(input=torch.randn(3, 16, generator=_gen(seed)))
 
 
-ZOO = {"flux": flux, "sd3": sd3, "wan": wan, "unet": unet, "vae": vae, "clip": clip, "jamba": jamba,
-       "sequential": sequential}
+def t5_encoder(seed: int = 0):
+    from transformers import T5Config, T5EncoderModel
+
+    config = T5Config(vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=3, num_heads=2,
+                      feed_forward_proj="gated-gelu")
+    torch.manual_seed(seed)
+    return T5EncoderModel(config), dict(input_ids=torch.randint(2, 64, (1, 7), generator=_gen(seed)),
+                                        return_dict=False)
+
+
+ZOO = {"flux": flux, "sd3": sd3, "wan": wan, "unet": unet, "vae": vae, "clip": clip, "t5_encoder": t5_encoder,
+       "jamba": jamba, "sequential": sequential}
 
 
 def t5(seed: int = 0):
