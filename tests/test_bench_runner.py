@@ -114,3 +114,54 @@ def test_method_seconds_stops_a_slow_method_and_the_run_goes_on(tmp_path, monkey
     with pytest.raises(ValueError, match="method_seconds"):
         runner.run_suite("tiny", [0.5], ["decode-b1"], ["resident"], ["eager"], 1, "cpu",
                          str(tmp_path / "x.json"), method_seconds=0)
+
+
+def test_compressed_weightstream_rows_record_wire_bytes_and_bound_the_link_by_them(tmp_path):
+    """ws-auto-compress through the real runner on the CPU: exact, its rows carry wire bytes below the
+    raw ones and a link_bytes that counts the wire bytes; raw ws-auto rows carry ratio 1; the report
+    shows the wire columns and the comparison bar line."""
+    from weightstream.bench import report
+
+    path = str(tmp_path / "wire.json")
+    doc = runner.run_suite("tiny-wide", [0.5], ["decode-b1"], ["resident", "ws-auto", "ws-auto-compress"],
+                           ["eager"], 1, "cpu", path, command="test")
+    assert validate(doc) is doc
+    rows = {r["method"]: r for r in doc["results"]}
+    raw, coded = rows["ws-auto"], rows["ws-auto-compress"]
+    assert raw["exact"] is True and coded["exact"] is True, coded
+    assert raw["wire_ratio"] == 1.0 and raw["wire_bytes"] == raw["wire_raw_bytes"]  # raw (may be zero copy)
+    assert coded["wire_bytes"] < 0.9 * coded["wire_raw_bytes"]
+    assert coded["wire_ratio"] == coded["wire_bytes"] / coded["wire_raw_bytes"]
+    stats = coded["setup"]["stats"]
+    assert coded["link_bytes"] == stats["streamed_bytes"] + stats["uva_bytes"] - (
+        coded["wire_raw_bytes"] - coded["wire_bytes"])
+    assert rows["resident"]["wire_bytes"] is None
+    table = report.markdown_table([doc])
+    assert "| wire bytes | wire ratio |" in table.splitlines()[0]
+    assert f"| {coded['wire_ratio']:.3f} |" in table
+    doc["h2d_bandwidth_GBps"] = 50.0  # a CPU run has no bound: give it one to check the bar line
+    for r in doc["results"]:
+        r["link_bound_ms"] = r["link_bytes"] / 50e9 * 1e3 if r["link_bytes"] else None
+        r["ratio"] = r["median_ms"] / r["link_bound_ms"] if r["link_bound_ms"] else None
+    lines = report.bar_lines([doc])
+    assert any("ws-auto-compress" in x and f"wire ratio {coded['wire_ratio']:.3f}" in x
+               and "link bound from wire bytes" in x for x in lines), lines
+    text = report.write_benchmarks_md([path], str(tmp_path / "b.md"))
+    assert report.WIRE_NOTE in text
+
+
+def test_the_schema_checks_the_wire_fields_and_accepts_rows_without_them(bench_doc):
+    import copy
+
+    row = bench_doc["results"][0]
+    for key in ("wire_bytes", "wire_raw_bytes", "wire_ratio"):
+        row.pop(key, None)  # a file written before compression on the wire
+    assert validate(bench_doc)
+    for bad, field in (({"wire_bytes": 10, "wire_raw_bytes": 20, "wire_ratio": None}, "wire_ratio"),
+                       ({"wire_bytes": 30, "wire_raw_bytes": 20, "wire_ratio": 1.5}, "wire_bytes"),
+                       ({"wire_bytes": 10, "wire_raw_bytes": 20, "wire_ratio": 0.7}, "wire_ratio"),
+                       ({"wire_bytes": "10", "wire_raw_bytes": 20, "wire_ratio": 0.5}, "wire_bytes")):
+        broken = copy.deepcopy(bench_doc)
+        broken["results"][0].update(bad)
+        with pytest.raises(ValueError, match=rf"results\[0\]\.{field}"):
+            validate(broken)

@@ -57,6 +57,28 @@ def test_plan_reads_a_local_config_folder(tmp_path, capsys):
     assert fp32["dtype"] == "float32" and fp32["weight_bytes"] > 1.9 * report["weight_bytes"]
 
 
+def test_plan_compress_shows_wire_bytes_ratio_and_landing_buffers(tmp_path, capsys):
+    from conftest import hf_config
+
+    hf_config("llama").save_pretrained(tmp_path)
+    args = ["plan", str(tmp_path), "--gpu-memory", "150KB", "--strategy", "stream", "--dtype", "bf16"]
+    assert main([*args, "--compress", "true", "--json"]) == 0
+    coded = json.loads(capsys.readouterr().out)
+    wire = coded["wire"]
+    assert wire["compressed"] and wire["landing_bytes"] > 0 and coded["gpu_bytes"] <= 150_000
+    assert wire["raw_bytes"] == coded["streamed"]["bytes"] and wire["bytes"] < 0.8 * wire["raw_bytes"]
+    assert wire["ratio"] == round(wire["bytes"] / wire["raw_bytes"], 4)
+    assert main([*args, "--compress", "false", "--json"]) == 0
+    raw = json.loads(capsys.readouterr().out)["wire"]
+    assert not raw["compressed"] and raw["bytes"] == raw["raw_bytes"] and raw["ratio"] == 1.0
+    assert raw["landing_bytes"] == 0
+    assert main([*args, "--compress", "true"]) == 0
+    table = capsys.readouterr().out
+    assert "streamed per forward, compressed (ratio 0." in table and "landing buffers" in table
+    assert main(args) == 0
+    assert "raw (ratio 1.000; no landing buffers)" in capsys.readouterr().out
+
+
 # --- every mistake: one line on stderr, exit status 2 -------------------------------------------------
 
 def _header_without_dtype(folder):

@@ -50,7 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--steps", type=int, default=28, help="denoising steps per generation (pipelines)")
     plan.add_argument("--json", action="store_true", help="print JSON for tools")
     plan.add_argument("--compress", default="false", choices=["auto", "true", "false"],
-                      help="stream groups losslessly compressed (default false)")
+                      help="stream groups losslessly compressed, as offload(compress=...): true, "
+                           "false (the default) or auto (when predicted faster); the output shows the "
+                           "predicted wire bytes, ratio and landing buffers")
     args = parser.parse_args(argv)
 
     from .errors import WeightstreamError
@@ -74,11 +76,15 @@ def _run(args: argparse.Namespace) -> int:
         import json
         import os
 
+        from .errors import ArgumentError
         from .pipeline import format_pipeline_plan, plan_pipeline
         from .planview import format_report, plan_report
 
         pipeline = os.path.isfile(os.path.join(args.model, "model_index.json"))  # a diffusers pipeline folder
         compress = {"auto": "auto", "true": True, "false": False}[args.compress]
+        if pipeline and compress is not False:
+            raise ArgumentError("--compress: offload(pipeline) streams its components raw for now; "
+                                "plan a pipeline without --compress")
         report = (plan_pipeline(args.model, args.gpu_memory, args.steps, args.strategy) if pipeline
                   else plan_report(args.model, args.gpu_memory, args.tokens, args.strategy, dtype=args.dtype,
                                    cpu_memory=args.cpu_memory, compress=compress))

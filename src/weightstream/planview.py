@@ -54,13 +54,20 @@ def plan_report(model_name: str, gpu_memory: int | str, tokens: int = 1, strateg
         "zero_copy": {"bytes": p.uva_bytes, "blocks": list(p.uva)},
         "disk": {"bytes": sum(cost.streamed_bytes(p.streamed[g], p.part) for g in on_disk),
                  "blocks": [p.streamed[g] for g in sorted(on_disk)]},
-        "wire": {"compressed": p.compressed, "landing_bytes": p.landing_bytes,
-                 "bytes": sum(cost.wire_bytes(i, p.part) if p.compressed else cost.streamed_bytes(i, p.part)
-                              for i in p.streamed)},
+        "wire": _wire(cost, p),
         "gpu_bytes": p.gpu_bytes,
         "predicted": {k: {"ms": round(v.ms, 2), "bound": v.bound, "compute_ms": round(v.compute_ms, 2),
                           "link_ms": round(v.link_ms, 2)} for k, v in predictions.items()},
     }
+
+
+def _wire(cost, p) -> dict:
+    """The streamed groups on the link: compressed or raw, predicted wire bytes against their raw
+    bytes, the ratio, and each slot's landing buffer (bytes; 0 when groups stream raw)."""
+    raw = sum(cost.streamed_bytes(i, p.part) for i in p.streamed)
+    wire = sum(cost.wire_bytes(i, p.part) for i in p.streamed) if p.compressed else raw
+    return {"compressed": p.compressed, "bytes": wire, "raw_bytes": raw,
+            "ratio": round(wire / raw, 4) if raw else 1.0, "landing_bytes": p.landing_bytes}
 
 
 def format_report(r: dict) -> str:
@@ -80,10 +87,10 @@ def format_report(r: dict) -> str:
         + (f"; only each block's {r['streamed']['largest_tensors_per_block']} largest tensors, the rest "
            "of it resident" if r["streamed"]["largest_tensors_per_block"] else ""),
         f"{'zero copy':12}{len(r['zero_copy']['blocks']):>8}{size(r['zero_copy']['bytes']):>14}",
-        f"on the wire: {size(r['wire']['bytes'])} per forward"
-        + (f", compressed (ratio {r['wire']['bytes'] / max(1, r['streamed']['bytes']):.3f}; landing "
-           f"buffers of {size(r['wire']['landing_bytes'])} per slot)"
-           if r["wire"]["compressed"] else ", raw"),
+        f"on the wire: {size(r['wire']['bytes'])} of {size(r['wire']['raw_bytes'])} streamed per forward, "
+        + (f"compressed (ratio {r['wire']['ratio']:.3f}; landing buffers {r['streamed']['slots']} x "
+           f"{size(r['wire']['landing_bytes'])}, counted in the GPU memory)"
+           if r["wire"]["compressed"] else "raw (ratio 1.000; no landing buffers)"),
         *([f"{'on disk':12}{len(r['disk']['blocks']):>8}{size(r['disk']['bytes']):>14}"
            "   (streamed, read from the checkpoint files each forward)"] if r["disk"]["blocks"] else []),
         f"GPU memory for weights: {size(r['gpu_bytes'])} (placement: {r['placement_kind']}, asked for "

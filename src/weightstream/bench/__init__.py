@@ -24,9 +24,10 @@ How to add:
   `Method(name, prepare, modes, about, requires=...)`, and the module in `methods.FAMILIES`. `prepare
   (model, budget_bytes, phase_tokens, device) -> (setup_info with link_bytes, undo)` changes the model
   in place; the runner checks that undo put every tensor back.
-- a variant of weightstream (lossless compression): one line in `methods/weightstream.py`, e.g.
-  `Method("ws-auto-compress", ws_prepare("auto", compress=True), MODES, ...)`: `ws_prepare` passes
-  further keywords to `offload`.
+- a variant of weightstream: one line in `methods/weightstream.py`, as `ws-auto-compress` is
+  (`Method("ws-auto-compress", ws_prepare("auto", compress=True), MODES, ...)`): `ws_prepare` passes
+  further keywords to `offload`. Every weightstream row records wire_bytes, wire_raw_bytes and
+  wire_ratio, and its link bound counts wire bytes.
 - a shape of a known kind: one `Shape(name, fields)` entry in `shapes.SHAPES` (planning shapes come
   from `weightstream/shapes.py`, so a planning shape is benched as soon as it is added there).
 - quantized weights (fp8, int4): a model kind in its own file (e.g. `quantized_lm.py`: `CausalLM` whose

@@ -33,26 +33,41 @@ def _order(doc: dict, row: dict) -> tuple:
             names.index(row["method"]) if row["method"] in names else len(names), MODES.index(row["mode"]))
 
 
-def _table_row(doc: dict, r: dict) -> str:
+def compressed(docs: list[dict]) -> bool:
+    """Whether any row of `docs` streamed groups compressed (a wire ratio below 1)."""
+    return any((r.get("wire_ratio") or 1.0) < 1.0 for d in docs for r in d["results"])
+
+
+def _wire_cells(r: dict) -> list[str]:
+    """A row's streamed bytes on the wire and their ratio to the raw bytes ("-" where not recorded)."""
+    if r.get("wire_bytes") is None:
+        return ["-", "-"]
+    return [format_size(r["wire_bytes"]), f"{r['wire_ratio']:.3f}"]
+
+
+def _table_row(doc: dict, r: dict, wire: bool = False) -> str:
     cells = [doc["shape"]["name"], r["phase"], budget_text(r["budget_bytes"], doc["weight_bytes"]),
              r["method"], r["mode"]]
     if r["median_ms"] is None:
         why = f"error: {r['error']}" if r["error"] else f"skipped: {r['skipped']}"
-        return "| " + " | ".join(cells + [why.replace("|", "/")[:100], "", "", "", ""]) + " |"
+        blank = ["", "", "", ""] + ["", ""] * wire
+        return "| " + " | ".join([*cells, why.replace("|", "/")[:100], *blank]) + " |"
     exact = "ref" if r.get("reference") == "self" else str(r["exact"]) if r["exact"] is not None else "-"
     cells += [f"{r['tokens_per_s']:.1f}", f"{r['median_ms']:.2f}", fmt(r["link_bound_ms"], 1),
-              fmt(r["ratio"], 2), exact]
+              fmt(r["ratio"], 2), *(_wire_cells(r) if wire else []), exact]
     return "| " + " | ".join(cells) + " |"
 
 
 def markdown_table(docs: list[dict]) -> str:
     """One markdown row per shape/phase/budget/method/mode: tokens/s, median ms, link bound ms, ratio to
-    the link bound, exact ("ref" for the reference itself); errors and skips in the tokens/s column."""
+    the link bound, exact ("ref" for the reference itself); errors and skips in the tokens/s column.
+    Where some row streamed compressed groups, also its wire bytes and wire ratio (streamed groups)."""
+    wire = compressed(docs)
     columns = ["shape", "phase", "budget", "method", "mode", "tokens/s", "median ms", "link bound ms",
-               "ratio", "exact"]
+               "ratio", *(["wire bytes", "wire ratio"] if wire else []), "exact"]
     lines = ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
     for doc in docs:
-        lines += [_table_row(doc, r) for r in sorted(doc["results"], key=lambda r: _order(doc, r))]
+        lines += [_table_row(doc, r, wire) for r in sorted(doc["results"], key=lambda r: _order(doc, r))]
     return "\n".join(lines)
 
 
@@ -90,6 +105,11 @@ by hand. Every number is one forward, `model(ids, use_cache=False)`, of a model 
 
 GRAPH_EAGER_NOTE = ("- **graph-eager**: a CUDA graph captured from the eager forward, replayed (no "
                     "compile: the planner sweep).")
+
+WIRE_NOTE = ("- **wire bytes**, **wire ratio**: a weightstream row's streamed groups on the link (compressed "
+             "where `ws-auto-compress` compressed them, `compress=True`) and their share of the raw bytes; "
+             "its link bound counts these wire bytes, what really crosses, so a ratio to it near 1 means "
+             "the compressed stream runs at the link rate.")
 
 
 def run_section(doc: dict, path: str) -> str:
@@ -155,6 +175,7 @@ def bar_lines(docs: list[dict]) -> list[str]:
                     verdict += f"; not measured here: {', '.join(missing)}"
                 where = f"{shape} {phase} at {budget_text(budget, weight_bytes)}"
                 lines.append(f"- {where}: ws-auto {_label(auto)} vs {_label(other)}: {verdict}")
+                lines += _compress_lines(measured, auto, where)
                 if phase == "decode-b1" and auto["ratio"] is not None:
                     ok = "met" if auto["ratio"] <= 1.05 else "NOT met"
                     below = ("; below 1: routed experts read in place, fewer bytes than the bound counts"
@@ -162,6 +183,19 @@ def bar_lines(docs: list[dict]) -> list[str]:
                     lines.append(f"- {where}: ws-auto at {auto['ratio']:.3f}x the link bound "
                                  f"({auto['link_bound_ms']:.1f} ms) ({ok}: <= 1.05{below})")
     return lines
+
+
+def _compress_lines(measured: list[dict], auto: dict, where: str) -> list[str]:
+    """`ws-auto-compress` (its fastest mode) against `ws-auto` at the same budget and phase, and against
+    its link bound from wire bytes; nothing where it was not measured."""
+    coded = _best(measured, ("ws-auto-compress",), auto["budget_bytes"])
+    if coded is None or coded["budget_bytes"] != auto["budget_bytes"]:
+        return []
+    bound = (f"; {coded['ratio']:.3f}x its link bound from wire bytes ({coded['link_bound_ms']:.1f} ms)"
+             if coded.get("ratio") is not None else "")
+    return [f"- {where}: ws-auto-compress {_label(coded)} vs ws-auto {_label(auto)}: "
+            f"**{auto['median_ms'] / coded['median_ms']:.2f}x**, wire ratio "
+            f"{fmt(coded.get('wire_ratio'), 3)}{bound}"]
 
 
 def write_benchmarks_md(result_paths: list[str], md_path: str, images: list[str] = ()) -> str:
@@ -173,6 +207,8 @@ def write_benchmarks_md(result_paths: list[str], md_path: str, images: list[str]
     header = REPORT_HEADER.strip()
     if any(r["mode"] == "graph-eager" for d in docs for r in d["results"]):  # said only where it appears
         header += "\n" + GRAPH_EAGER_NOTE
+    if compressed(docs):
+        header += "\n" + WIRE_NOTE
     parts = [header, "## The bars, checked on these results\n\n" + "\n".join(bar_lines(docs))]
     parts += [run_section(doc, path) for doc, path in zip(docs, result_paths, strict=True)]
     parts += [f"![{os.path.basename(p)}]({os.path.relpath(os.path.abspath(p), here)})" for p in images]

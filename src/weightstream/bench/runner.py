@@ -143,6 +143,11 @@ def method_limit(suite: Suite, until: float | None):
     return limit_or_none(until, _over_time(suite) if until is not None else "")
 
 
+def wire_fields(setup: dict) -> dict:
+    """The row's wire_bytes, wire_raw_bytes and wire_ratio from a weightstream setup (none otherwise)."""
+    return {k: setup[k] for k in ("wire_bytes", "wire_raw_bytes", "wire_ratio") if k in setup}
+
+
 def run_modes(suite: Suite, method: Method, phase: Phase, budget: int | None, setup: dict,
               until: float | None) -> None:
     """Every selected mode of one prepared method and phase; a failure is recorded, not raised. A mode
@@ -150,7 +155,7 @@ def run_modes(suite: Suite, method: Method, phase: Phase, budget: int | None, se
     compiled = torch.compile(suite.forward_fn(), fullgraph=True, dynamic=False)
     for mode in suite.modes:
         row = ResultRow(method.name, phase.name, budget, mode, tokens=phase.tokens,
-                        link_bytes=setup.get("link_bytes"), setup=setup)
+                        link_bytes=setup.get("link_bytes"), setup=setup, **wire_fields(setup))
         row.skipped = mode_skip(suite, method, mode)
         if row.skipped is None and until is not None and time.monotonic() > until:
             row.skipped = f"not run: {_over_time(suite)}"
@@ -160,7 +165,8 @@ def run_modes(suite: Suite, method: Method, phase: Phase, budget: int | None, se
                     run_mode(suite, method, phase, row, compiled)
             except Exception as exc:  # record and go on: the rest of the run still counts
                 row = ResultRow(method.name, phase.name, budget, mode, tokens=phase.tokens,
-                                error=first_line(exc), link_bytes=row.link_bytes, setup=setup)
+                                error=first_line(exc), link_bytes=row.link_bytes, setup=setup,
+                                **wire_fields(setup))
         add_row(suite, row)
     del compiled
     release_memory(suite.device)  # drop compiled code and graphs before the weights move back

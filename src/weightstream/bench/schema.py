@@ -15,7 +15,10 @@ Result document (`validate` checks it; sizes in bytes, times in ms, bandwidth in
     note, command_note: optional text added by hand after the run (e.g. that a shell timeout cut it)
     converted_from: set by `legacy.upgrade` on a document read from an older script's schema
     results: [ResultRow as a dict, ...]: method, phase, budget_bytes, mode, median_ms, min_ms, max_ms,
-        reps, tokens_per_s, link_bound_ms, ratio, exact, error, skipped (required), and context fields
+        reps, tokens_per_s, link_bound_ms, ratio, exact, error, skipped (required), and context fields;
+        weightstream rows also wire_bytes, wire_raw_bytes, wire_ratio (optional: older files lack them;
+        set together, wire <= raw, ratio = wire / raw). link_bytes, and so the link bound, count wire
+        bytes: a compressed group's blob, not its raw bytes
 
 Files written before this schema (`bench_core.py`, `bench_plan.py`, `bench_load.py`) are read through
 `legacy.upgrade`, which `load_results` applies.
@@ -59,6 +62,11 @@ class ResultRow:
     peak_allocated_bytes: int | None = None
     first_call_s: float | None = None  # wall time of the first warm-up call, compile included
     setup: dict = field(default_factory=dict)  # what the method's prepare reported
+    # weightstream rows: the streamed groups' bytes on the link (compressed where they are), the same
+    # groups' raw bytes, and wire / raw (1.0 when nothing is compressed); None for other methods
+    wire_bytes: int | None = None
+    wire_raw_bytes: int | None = None
+    wire_ratio: float | None = None
 
 
 _NUM = (int, float)
@@ -72,6 +80,9 @@ _ROW_TYPES = {
     "tokens_per_s": (*_NUM, None), "link_bound_ms": (*_NUM, None), "ratio": (*_NUM, None),
     "exact": (bool, None), "error": (str, None), "skipped": (str, None),
 }
+
+# optional: rows written before compression on the wire lack them
+_OPTIONAL_ROW_TYPES = {"wire_bytes": (int, None), "wire_raw_bytes": (int, None), "wire_ratio": (*_NUM, None)}
 
 
 def _check_type(where: str, value, allowed: tuple) -> None:
@@ -91,12 +102,29 @@ def _validate_row(i: int, row) -> None:
         if key not in row:
             raise ValueError(f"results[{i}].{key}: missing")
         _check_type(f"results[{i}].{key}", row[key], allowed)
+    for key, allowed in _OPTIONAL_ROW_TYPES.items():
+        _check_type(f"results[{i}].{key}", row.get(key), allowed)
+    _validate_wire(i, row)
     if row["mode"] not in MODES:
         raise ValueError(f"results[{i}].mode: {row['mode']!r} is not one of {', '.join(MODES)}")
     outcomes = [k for k in ("median_ms", "error", "skipped") if row[k] is not None]
     if len(outcomes) != 1:
         raise ValueError(f"results[{i}].median_ms: exactly one of median_ms, error, skipped must be set, "
                          f"got {outcomes or 'none'}")
+
+
+def _validate_wire(i: int, row: dict) -> None:
+    """The wire fields come together: 0 <= wire_bytes <= wire_raw_bytes and the ratio is their quotient."""
+    wire, raw, ratio = (row.get(k) for k in _OPTIONAL_ROW_TYPES)
+    if wire is None and raw is None and ratio is None:
+        return
+    if None in (wire, raw, ratio):
+        raise ValueError(f"results[{i}].wire_ratio: wire_bytes, wire_raw_bytes and wire_ratio are set "
+                         f"together, got {wire!r}, {raw!r}, {ratio!r}")
+    if not 0 <= wire <= raw:
+        raise ValueError(f"results[{i}].wire_bytes: {wire} must be between 0 and wire_raw_bytes ({raw})")
+    if abs(ratio - (wire / raw if raw else 1.0)) > 1e-6:
+        raise ValueError(f"results[{i}].wire_ratio: {ratio} is not wire_bytes / wire_raw_bytes")
 
 
 def validate(doc) -> dict:

@@ -67,10 +67,14 @@ TINY_MOE = dict(  # the same, as a Mixtral: expert weights fused per block, rout
     model_type="mixtral", hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
     num_key_value_heads=2, vocab_size=256, num_local_experts=4, num_experts_per_tok=2,
 )
+# Wide enough that lossless compression pays (TINY's 64-wide tensors are mostly per-tensor overhead:
+# its compressed groups would not fit a landing buffer under 0.95 of the slot): ws-auto-compress on CPU
+TINY_WIDE = dict(TINY, hidden_size=256, intermediate_size=512)
 SHAPES = {
     **{name: Shape(name, fields) for name, fields in PLANNING_SHAPES.items()},
     "tiny": Shape("tiny", TINY),
     "tiny-moe": Shape("tiny-moe", TINY_MOE),
+    "tiny-wide": Shape("tiny-wide", TINY_WIDE),
     **{name: Shape(name, fields, Diffusion(fields)) for name, fields in DIFFUSION_SHAPES.items()},
 }
 

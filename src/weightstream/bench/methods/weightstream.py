@@ -1,5 +1,8 @@
 """weightstream's own strategies as bench methods: `ws-stream`, `ws-uva`, `ws-auto`, each
-`offload(model, gpu_memory=budget, strategy=..., tokens=phase tokens)`.
+`offload(model, gpu_memory=budget, strategy=..., tokens=phase tokens)`, and `ws-auto-compress`, the
+same as `ws-auto` with `compress=True` (groups cross the link losslessly compressed wherever a
+compressed placement fits the budget). Every setup records the streamed groups' `wire_bytes`,
+`wire_raw_bytes` and `wire_ratio`, and `link_bytes` counts the wire bytes (what really crosses).
 
 The setup records the placement and the planner's prediction next to the measurement, so a run over
 budgets is also the planner-against-measurement sweep (formerly `benchmarks/bench_plan.py`). A variant
@@ -32,6 +35,12 @@ def prediction(handle: OffloadHandle) -> dict | None:
     return None if pred is None else {"ms": pred.ms, "bound": pred.bound}
 
 
+def link_bytes(stats) -> int:
+    """Bytes that cross the host->GPU link per forward: the streamed and zero-copy bytes, with each
+    compressed group's blob in place of its raw bytes (the same figure as before for raw groups)."""
+    return stats.streamed_bytes + stats.uva_bytes - (stats.wire_raw_bytes - stats.wire_bytes)
+
+
 def ws_prepare(strategy: str, **options) -> Prepare:
     """A prepare that offloads with `strategy` (and any further `offload` keyword `options`), planned
     for the phase's tokens; undo restores every tensor to where the model was."""
@@ -42,7 +51,8 @@ def ws_prepare(strategy: str, **options) -> Prepare:
         stats = handle.stats
         info = {"stats": asdict(stats), "placement": placement_text(handle), "prediction": prediction(handle),
                 "allocated_before_bytes": before, "allocated_after_bytes": allocated(device),
-                "link_bytes": stats.streamed_bytes + stats.uva_bytes}
+                "link_bytes": link_bytes(stats), "wire_bytes": stats.wire_bytes,
+                "wire_raw_bytes": stats.wire_raw_bytes, "wire_ratio": stats.wire_ratio}
 
         def undo() -> None:
             handle.restore(home)
@@ -59,5 +69,9 @@ METHODS = (
            gives_reference=True),
     Method("ws-uva", ws_prepare("uva"), MODES, "weightstream, blocks read in place from pinned memory",
            gives_reference=True),
-    Method("ws-auto", ws_prepare("auto"), MODES, "weightstream, the planner's choice", gives_reference=True),
+    Method("ws-auto", ws_prepare("auto"), MODES, "weightstream, the planner's choice (offload's default "
+           "compress=)", gives_reference=True),
+    Method("ws-auto-compress", ws_prepare("auto", compress=True), MODES,
+           "weightstream, the planner's choice with groups losslessly compressed on the wire (compress=True)",
+           gives_reference=True),
 )
