@@ -5,6 +5,7 @@ from safetensors.torch import save_file
 
 from weightstream.checkpoint import read_index
 from weightstream.disk import DiskPrefetcher, DiskTier
+from weightstream.diskcache import DiskCache
 from weightstream.layout import pack
 
 
@@ -44,3 +45,24 @@ def test_out_of_order_request_restarts_the_ring_after_it(tmp_path):
     buffer, _ = reader.take(0)
     assert value_in(buffer) == 0
     reader.close()
+
+
+def test_compressed_groups_are_read_from_the_cache_into_buffers_sized_for_them(tmp_path):
+    raw = make_tier(tmp_path)
+    cache = DiskCache(tmp_path / "cache")
+    blobs = {g: cache.append(torch.full((8 + g,), g, dtype=torch.uint8)) for g in (1, 3)}  # stand-in blobs
+    tier = DiskTier(raw.groups, raw.group_bytes, blobs, cache)
+    assert tier.max_read_bytes == raw.group_bytes[0] and tier.wire_bytes == 3 * 64 + 9 + 11  # layout, tensors
+    reader = DiskPrefetcher(tier, n_buffers=2, nbytes=tier.max_read_bytes, pin=False)
+    for g in range(5):
+        buffer, index = reader.take(g)
+        if g in blobs:
+            assert torch.equal(buffer, torch.full((8 + g,), g, dtype=torch.uint8))
+        else:
+            assert value_in(buffer) == g
+        reader.give_back(index, Done())
+    reader.close()
+    assert tier.bytes_read >= tier.wire_bytes
+    path = cache.path
+    tier.close()
+    assert not path.exists() and (tmp_path / "cache").is_dir()

@@ -99,3 +99,52 @@ def test_auto_keeps_to_cpu_memory_and_is_exact(folder):
     with torch.no_grad():
         for seed in range(2):
             assert torch.equal(model(ids_for(seed)).logits, reference(ids_for(seed)).logits)
+
+
+def test_compressed_disk_tier_on_the_gpu_lands_and_decodes_blobs_exactly(folder, tmp_path):
+    """compress=True with groups on disk: their blobs come from the cache file through the pinned bounce
+    buffers into the landing buffers and are decoded into the slots (forced: stream, reference profile,
+    compress=True prefers a compressed placement wherever one fits)."""
+    from weightstream.wire import CodedCudaTransfer
+
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval().cuda()
+    load = dict(gpu_memory=int(weight_bytes(reference) * 0.75), progress=False, strategy="stream",
+                profile=ws.REFERENCE_PROFILE, compress=True)
+    probe = ws.handle_of(ws.from_pretrained(folder, **load))
+    group = probe.placement.slot_bytes
+    probe.restore()
+    model = ws.from_pretrained(folder, cpu_memory=3 * group + group // 2, cache_dir=tmp_path / "cache",
+                               **load)
+    handle = ws.handle_of(model)
+    transfer, stats = handle._transfer, handle.stats
+    disk, reader = transfer.disk, transfer.prefetcher
+    assert handle.placement.compressed and isinstance(transfer, CodedCudaTransfer)
+    raw_of_coded = sum(t.nbytes for g in disk.blobs for t, _ in disk.groups[g])
+    assert disk.blobs and stats.disk_cache_bytes < raw_of_coded
+    assert all(b.numel() == disk.max_read_bytes and b.is_pinned() for b in reader.buffers)
+    assert len(transfer.landing) == stats.slots
+    with torch.no_grad():
+        assert torch.equal(model(ids_for(0)).logits, reference(ids_for(0)).logits)
+        for seed in range(1, 3):
+            for _, _, future in list(reader.pending):
+                future.result()  # the ring's reads ahead have landed in the counter
+            before = disk.bytes_read
+            assert torch.equal(model(ids_for(seed)).logits, reference(ids_for(seed)).logits)
+            for _, _, future in list(reader.pending):
+                future.result()
+            assert disk.bytes_read - before == stats.disk_wire_bytes < stats.disk_bytes
+        g = min(disk.blobs)
+        layer = int(handle.streamed_blocks[g].rsplit(".", 1)[1])
+        hidden = torch.randn(2, 16, 64, device="cuda", dtype=torch.bfloat16)
+        pos = model.model.rotary_emb(hidden, torch.arange(16, device="cuda")[None])
+        kwargs = dict(position_embeddings=pos, attention_mask=None)
+        got = model.model.layers[layer](hidden, **kwargs)  # out of order: its blob read synchronously
+        assert torch.equal(got, reference.model.layers[layer](hidden, **kwargs))
+        assert torch.equal(model(ids_for(5)).logits, reference(ids_for(5)).logits)
+    assert handle.stats.misses >= 1
+    want = {k: v.cpu() for k, v in reference.state_dict().items()}
+    assert all(torch.equal(v.cpu(), want[k]) for k, v in model.state_dict().items())
+    cache = disk.cache.path
+    handle.restore()
+    assert all(torch.equal(v.cpu(), want[k]) for k, v in model.state_dict().items())
+    assert not cache.exists()

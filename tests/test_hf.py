@@ -181,6 +181,54 @@ def test_disk_tier_refuses_a_dtype_change(tmp_path):
                            strategy="stream")
 
 
+def _compressed_disk_load(folder, device="cpu", **extra):
+    """A bf16 checkpoint loaded compressed with cpu_memory for one streamed group (besides the two
+    bounce buffers): the other groups stay on disk."""
+    load = dict(gpu_memory=int(weight_bytes(make_model("llama", dtype=torch.bfloat16)) * 0.75), device=device,
+                progress=False, strategy="stream", compress=True, profile=ws.REFERENCE_PROFILE)
+    probe = ws.handle_of(ws.from_pretrained(folder, **load))
+    group = probe.placement.slot_bytes
+    probe.restore()
+    return ws.from_pretrained(folder, cpu_memory=3 * group + group // 2, **load, **extra)
+
+
+@pytest.mark.parametrize("chosen", [False, True])
+def test_compressed_disk_tier_reads_its_cache_and_is_exact(tmp_path, chosen):
+    folder = save(make_model("llama", dtype=torch.bfloat16), tmp_path / "ckpt")
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
+    want = reference.state_dict()
+    model = _compressed_disk_load(folder, **({"cache_dir": tmp_path / "cache"} if chosen else {}))
+    handle = ws.handle_of(model)
+    disk, stats = handle._transfer.disk, handle.stats
+    assert handle.placement.compressed and 0 < stats.disk_bytes < stats.streamed_bytes
+    assert disk.blobs, "some disk groups must shrink"
+    cache = disk.cache.path
+    assert cache.is_file() and (cache.parent == tmp_path / "cache" or not chosen)
+    raw_of_coded = sum(t.nbytes for g in disk.blobs for t, _ in disk.groups[g])
+    assert os.path.getsize(cache) == stats.disk_cache_bytes == sum(b.nbytes for b in disk.blobs.values())
+    assert stats.disk_cache_bytes < raw_of_coded
+    assert stats.disk_wire_bytes < stats.disk_bytes and stats.disk_ratio < 1
+    assert stats.wire_bytes < stats.wire_raw_bytes  # the disk groups' blobs count on the wire
+    with torch.no_grad():
+        for seed in range(2):
+            before = disk.bytes_read
+            assert torch.equal(model(ids_for(seed)).logits, reference(ids_for(seed)).logits)
+            assert disk.bytes_read - before == stats.disk_wire_bytes  # blobs, not the raw tensors
+    assert handle._transfer.bounce.numel() == disk.max_read_bytes  # sized for what it holds
+    assert all(torch.equal(v, want[k]) for k, v in model.state_dict().items())  # guards: true weights
+    handle.restore()
+    assert all(torch.equal(v, want[k]) for k, v in model.state_dict().items())
+    assert not cache.exists()
+    assert (tmp_path / "cache").is_dir() if chosen else not cache.parent.exists()  # only its own folder
+
+
+def test_compressed_disk_tier_cache_folder_that_cannot_be_written_says_which(tmp_path):
+    folder = save(make_model("llama", dtype=torch.bfloat16), tmp_path / "ckpt")
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(ws.ArgumentError, match="a_file.*cache_dir= a folder you can write"):
+        _compressed_disk_load(folder, cache_dir=tmp_path / "a_file" / "cache")
+
+
 # --- the model classes users load ----------------------------------------------------------------------
 
 def _seq2seq_and_encoders():

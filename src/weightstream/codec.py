@@ -86,8 +86,12 @@ def choose(tensor: torch.Tensor, sample: int = 1 << 20) -> Coding:
     n = tensor.numel()
     if kind == RAW or n < 64:
         return Coding(RAW, nbytes=raw_bytes_on_wire(n * tensor.element_size()))
-    if tensor.is_meta:  # no values yet (planning from a config): what HF-initialized weights code to
-        return Coding(kind, 3, 0, int(TYPICAL_RATIO[kind] * 2 * n))
+    if tensor.is_meta:  # no values yet (planning from a config): what HF-initialized weights code to,
+        # planes padded to whole chunks as coded_bytes counts them (it matters for small tensors)
+        size = int(TYPICAL_RATIO[kind] * 2 * -(-n // CHUNK) * CHUNK) + 8 * (-(-n // CHUNK) + SEGMENT_WORDS)
+        if size > MAX_RATIO * 2 * n:
+            return Coding(RAW, nbytes=raw_bytes_on_wire(2 * n))
+        return Coding(kind, 3, 0, size)
     flat = tensor.detach().reshape(-1)[: n // 4 * 4]
     if flat.data_ptr() % 8:
         flat = flat.clone()

@@ -4,6 +4,10 @@ Reads go through a single reader thread into a ring of pinned bounce buffers, on
 running ahead of the GPU in forward order; a buffer is refilled only after its host->GPU copy has
 finished (a CUDA event the reader waits on). A group asked for out of that order is read
 synchronously instead, and the ring restarts after it.
+
+A group that was compressed at load (`diskcache.py`) is read as its blob from the cache file instead
+of its raw tensors: `read` moves what crosses the wire (blob or raw layout), `read_group` always the
+raw layout from the checkpoint (restore, state_dict).
 """
 
 from __future__ import annotations
@@ -14,21 +18,61 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from .checkpoint import StoredTensor, read_into
+from .diskcache import DiskCache
 from .layout import Slice
 
 
 class DiskTier:
-    """Which groups live on disk, and where each of their tensors lies in its shard."""
+    """Which groups live on disk, and where each of their tensors lies in its shard; `blobs` holds
+    where each compressed group's blob lies in `cache` (the others are read raw). Sizes in bytes:
+    `nbytes` the groups' raw tensors, `wire_bytes` what a forward reads from the files (blobs and raw
+    tensors), `bytes_read` a counter of every byte `read` has read from them."""
 
-    def __init__(self, groups: dict[int, list[tuple[StoredTensor, Slice]]], group_bytes: dict[int, int]):
+    def __init__(self, groups: dict[int, list[tuple[StoredTensor, Slice]]], group_bytes: dict[int, int],
+                 blobs: dict[int, StoredTensor] | None = None, cache: DiskCache | None = None):
         self.groups = groups
         self.group_bytes = group_bytes
+        self.blobs = blobs or {}
+        self.cache = cache
         self.order = sorted(groups)
         self.nbytes = sum(t.nbytes for g in groups.values() for t, _ in g)
+        self.wire_bytes = sum(self.file_bytes(g) for g in self.order)
+        self.bytes_read = 0
 
     def holds(self, group: int) -> bool:
         """True when `group` is read from disk."""
         return group in self.groups
+
+    def read_bytes(self, group: int) -> int:
+        """Bytes `read` moves for `group`: its blob's when compressed, else its layout's."""
+        blob = self.blobs.get(group)
+        return blob.nbytes if blob is not None else self.group_bytes[group]
+
+    def file_bytes(self, group: int) -> int:
+        """Bytes `read` reads from the files for `group`: its blob, or its raw tensors."""
+        blob = self.blobs.get(group)
+        return blob.nbytes if blob is not None else sum(t.nbytes for t, _ in self.groups[group])
+
+    @property
+    def max_read_bytes(self) -> int:
+        """The largest read: what a bounce buffer must hold."""
+        return max((self.read_bytes(g) for g in self.order), default=0)
+
+    def read(self, group: int, dst: torch.Tensor) -> torch.Tensor:
+        """Read what crosses the wire for `group` (its blob, or its raw layout) into the start of `dst`
+        (uint8); returns that part of `dst`."""
+        blob = self.blobs.get(group)
+        if blob is None:
+            self.read_group(group, dst)
+        else:
+            read_into(blob, dst[: blob.nbytes])
+        self.bytes_read += self.file_bytes(group)
+        return dst[: self.read_bytes(group)]
+
+    def close(self) -> None:
+        """Delete the compressed cache, if any (reads of raw groups still work)."""
+        if self.cache is not None:
+            self.cache.close()
 
     def read_group(self, group: int, dst: torch.Tensor) -> None:
         """Read every tensor of `group` into `dst` (uint8, the group's layout) at its offset."""
@@ -43,7 +87,8 @@ class DiskTier:
 
 
 class DiskPrefetcher:
-    """Reads disk groups ahead, in forward order, into pinned bounce buffers."""
+    """Reads disk groups ahead, in forward order, into pinned bounce buffers of `nbytes` each (the
+    tier's largest read: a blob for a compressed group)."""
 
     def __init__(self, tier: DiskTier, n_buffers: int, nbytes: int, pin: bool) -> None:
         self.tier = tier
@@ -61,7 +106,7 @@ class DiskPrefetcher:
     def _read(self, group: int, index: int, freed: torch.cuda.Event | None) -> None:
         if freed is not None:
             freed.synchronize()  # the previous copy out of this buffer has finished
-        self.tier.read_group(group, self.buffers[index])
+        self.tier.read(group, self.buffers[index])
 
     def _submit(self) -> None:
         group = self.tier.order[self.next_pos % len(self.tier.order)]
@@ -79,7 +124,7 @@ class DiskPrefetcher:
         if self.pending and self.pending[0][0] == group:
             _, index, future = self.pending.popleft()
             future.result()
-            return self.buffers[index][: self.tier.group_bytes[group]], index
+            return self.buffers[index][: self.tier.read_bytes(group)], index
         self.drain()
         self.next_pos = self.tier.order.index(group) + 1
         self._fill_ring()

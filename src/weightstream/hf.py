@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from . import fp8
+from . import coded_load, fp8
 from .checkpoint import StoredTensor, read_index, read_into, read_json
 from .disk import DiskTier
 from .dtypes import parse_dtype
@@ -267,6 +267,8 @@ def from_pretrained(
     tokens: int = 1,
     progress: bool = True,
     profile: MachineProfile | None = None,
+    compress: bool | str = False,
+    cache_dir: str | os.PathLike | None = None,
 ) -> nn.Module:
     """Load the model in the local folder `path` so its weights take at most `gpu_memory`.
 
@@ -279,8 +281,16 @@ def from_pretrained(
         be captured in CUDA graphs. The planner keeps zero-copy blocks within it.
     dtype: the model's dtype, a torch.dtype or a name such as "bfloat16" or "fp16" (default: the
         config's, else float32).
-    strategy, tokens, profile: as for `offload` ("auto", "stream" or "uva"; tokens per forward to plan
-        for; the machine profile to plan with).
+    strategy, tokens, profile, compress: as for `offload` ("auto", "stream" or "uva"; tokens per
+        forward to plan for; the machine profile to plan with; stream groups losslessly compressed).
+        A compressed load codes each streamed group once, read from the shards one group at a time
+        (on the GPU when `device` is one; a progress bar over groups).
+    cache_dir: with compression and a disk tier, the folder of the compressed cache: one file
+        (weightstream-*.blobs) holding the blobs of the disk groups that shrink, at most 0.95 of their
+        raw bytes (about 0.71 for bf16 weights; `handle.stats.disk_wire_bytes`). Each forward reads
+        those blobs instead of the raw tensors; groups that do not shrink are read from the
+        safetensors. Default: a new temp folder (`tempfile.gettempdir()`, `$TMPDIR`). The file (and
+        that temp folder) is deleted at `handle.restore()`.
     Returns the model, offloaded; `weightstream.handle_of(model)` gives its handle. On any error
     nothing stays allocated.
     """
@@ -289,7 +299,7 @@ def from_pretrained(
     model = build_model(folder, dtype)
     stored = read_index(folder)
     prep = prepare(model, gpu_memory, device, allow_meta=True, strategy=strategy, tokens=tokens,
-                   pin_memory=pin_memory, profile=profile, host_bytes=host_bytes)
+                   pin_memory=pin_memory, profile=profile, host_bytes=host_bytes, compress=compress)
     pairs = _match(model, prep.entries, stored, folder)
     host_limit = None if host_bytes is None else host_bytes - sum(prep.uva_group_bytes)
     if host_limit is not None and host_limit < 0:  # the planner keeps to cpu_memory: a safety net
@@ -302,17 +312,33 @@ def from_pretrained(
     on_disk = choose_disk_groups(prep.group_bytes, host_limit)
     disk = _disk_tier(prep, pairs, on_disk, folder) if on_disk else None
     pin = pin_memory and prep.device.type == "cuda"
-    arena = HostArena([0 if g in on_disk else b for g, b in enumerate(prep.host_group_bytes)], pin=pin)
+    sizes, coded = prep.host_group_bytes, frozenset()
+    if prep.placement.compressed:
+        prep.wire, disk = coded_load.encode(prep, pairs, disk, cache_dir, progress)
+        sizes = [enc.wire_bytes if enc else b for enc, b in zip(prep.wire, prep.group_bytes, strict=True)]
+        sizes += prep.uva_group_bytes
+        coded = frozenset(g for g, enc in enumerate(prep.wire) if enc is not None)
     try:
-        places = final_places(prep, arena, keep_on_device=True, disk_groups=on_disk)
+        arena = HostArena([0 if g in on_disk else b for g, b in enumerate(sizes)], pin=pin)
+    except BaseException:
+        if disk is not None:
+            disk.close()
+        raise
+    try:
+        if coded:
+            prep.wire = coded_load.fill_host(arena, prep, pairs, prep.wire, disk)
+        places = final_places(prep, arena, keep_on_device=True, disk_groups=on_disk | coded)
         _fill([p for p in pairs if id(p[0]) in places], places, progress)
         paired = {id(entry) for entry, _ in pairs}
         for entry in prep.entries:  # buffers computed at construction (rotary tables), not stored
-            if id(entry) not in paired and places[id(entry)] is not entry.tensor.detach():
-                places[id(entry)].copy_(entry.tensor)
+            place = places.get(id(entry))  # none for a compressed or disk group's (in its blob)
+            if id(entry) not in paired and place is not None and place is not entry.tensor.detach():
+                place.copy_(entry.tensor)
         finish(prep, arena, places, disk, pin)
     except BaseException:
         arena.close()
+        if disk is not None:
+            disk.close()
         raise
     return model
 

@@ -49,6 +49,12 @@ class OffloadStats:
     of a forward, or the first call after a CUDA graph capture or replay), `misses` (waits whose group
     was not prefetched because the run order differed from the learned one; each costs one group's
     copy time) and `misses_last_pass`.
+
+    `wire_bytes` are what one forward moves host->device for the streamed groups, disk-tier groups
+    included (a compressed group's blob, else its layout), `wire_raw_bytes` the same groups' layouts.
+    `disk_bytes` are the disk-tier groups' raw tensor bytes, `disk_wire_bytes` what one forward reads
+    from disk for them (compressed blobs from the cache file, `disk_cache_bytes` in all, plus the raw
+    tensors of groups that did not shrink).
     """
 
     device: str
@@ -69,6 +75,13 @@ class OffloadStats:
     predicted_ms: float | None
     wire_bytes: int = 0  # bytes a forward moves over the link for the streamed groups (compressed or not)
     wire_raw_bytes: int = 0  # the same groups' bytes in their layout (what the slots receive)
+    disk_wire_bytes: int = 0  # bytes a forward reads from disk (compressed blobs and raw tensors)
+    disk_cache_bytes: int = 0  # size of the disk tier's compressed cache file
+
+    @property
+    def disk_ratio(self) -> float:
+        """Bytes read from disk per forward over the disk groups' raw bytes (1.0 when none is coded)."""
+        return self.disk_wire_bytes / self.disk_bytes if self.disk_bytes else 1.0
 
     @property
     def wire_ratio(self) -> float:
@@ -81,7 +94,8 @@ class OffloadStats:
             f"streamed {format_size(self.streamed_bytes)} in {self.groups} groups, "
             f"zero copy {format_size(self.uva_bytes)}, "
             f"staging {format_size(self.staging_bytes)} in {self.slots} slots, "
-            f"pinned {format_size(self.pinned_bytes)}, read from disk {format_size(self.disk_bytes)}; "
+            f"pinned {format_size(self.pinned_bytes)}, read from disk {format_size(self.disk_wire_bytes)} "
+            f"of {format_size(self.disk_bytes)}; "
             f"{self.copies} async copies, {self.prologues} pass prologues, {self.misses} misses "
             f"({self.misses_last_pass} in the last pass); placement {self.placement_kind} "
             f"(asked for {self.requested_strategy}); "
@@ -202,6 +216,7 @@ class OffloadHandle:
         p = self.placement
         streamed = sum(e.nbytes for g in self._groups for e, _ in g)
         uva = sum(e.nbytes for g in self._uva_groups for e, _ in g)
+        disk = self._transfer.disk
         return OffloadStats(
             device=str(self.device),
             resident_bytes=sum(e.nbytes for e in self._entries) - streamed - uva,
@@ -209,7 +224,9 @@ class OffloadHandle:
             uva_bytes=uva,
             staging_bytes=p.staging_bytes,
             pinned_bytes=self._arena.pinned_bytes + self._transfer.extra_pinned_bytes,
-            disk_bytes=self._transfer.disk.nbytes if self._transfer.disk is not None else 0,
+            disk_bytes=disk.nbytes if disk is not None else 0,
+            disk_wire_bytes=disk.wire_bytes if disk is not None else 0,
+            disk_cache_bytes=disk.cache.nbytes if disk is not None and disk.cache is not None else 0,
             groups=len(self._groups),
             slots=p.n_slots,
             copies=self._schedule.copies,

@@ -53,7 +53,10 @@ def plan_report(model_name: str, gpu_memory: int | str, tokens: int = 1, strateg
                      "largest_tensors_per_block": p.part or None},
         "zero_copy": {"bytes": p.uva_bytes, "blocks": list(p.uva)},
         "disk": {"bytes": sum(cost.streamed_bytes(p.streamed[g], p.part) for g in on_disk),
-                 "blocks": [p.streamed[g] for g in sorted(on_disk)]},
+                 "blocks": [p.streamed[g] for g in sorted(on_disk)],
+                 # what a forward reads from disk: compressed groups' blobs (predicted) from the cache
+                 "wire_bytes": sum(cost.wire_bytes(p.streamed[g], p.part) if p.compressed
+                                   else cost.streamed_bytes(p.streamed[g], p.part) for g in on_disk)},
         "wire": _wire(cost, p),
         "gpu_bytes": p.gpu_bytes,
         "predicted": {k: {"ms": round(v.ms, 2), "bound": v.bound, "compute_ms": round(v.compute_ms, 2),
@@ -92,7 +95,9 @@ def format_report(r: dict) -> str:
            f"{size(r['wire']['landing_bytes'])}, counted in the GPU memory)"
            if r["wire"]["compressed"] else "raw (ratio 1.000; no landing buffers)"),
         *([f"{'on disk':12}{len(r['disk']['blocks']):>8}{size(r['disk']['bytes']):>14}"
-           "   (streamed, read from the checkpoint files each forward)"] if r["disk"]["blocks"] else []),
+           + (f"   (streamed; {size(r['disk']['wire_bytes'])} read each forward from a compressed cache "
+              "file)" if r["wire"]["compressed"] else
+              "   (streamed, read from the checkpoint files each forward)")] if r["disk"]["blocks"] else []),
         f"GPU memory for weights: {size(r['gpu_bytes'])} (placement: {r['placement_kind']}, asked for "
         f"{r['requested_strategy']})",
     ]
@@ -100,7 +105,7 @@ def format_report(r: dict) -> str:
         lines.append(f"predicted {phase}: {p['ms']:.1f} ms per forward, {p['bound']}-bound "
                      f"(compute {p['compute_ms']:.1f} ms, link {p['link_ms']:.1f} ms)")
     if r["disk"]["blocks"]:  # the cost model has no disk rate: say what it leaves out
-        lines.append(f"the predictions leave out reading {size(r['disk']['bytes'])} from the checkpoint "
-                     "files every forward (about 2 GB/s from a cold page cache, 6 GB/s from a warm one on "
+        lines.append(f"the predictions leave out reading {size(r['disk']['wire_bytes'])} from disk "
+                     "every forward (about 2 GB/s from a cold page cache, 6 GB/s from a warm one on "
                      "the H200 machine)")
     return "\n".join(lines)

@@ -28,7 +28,7 @@ class SyncTransfer:
 
     def _copy(self, slot: int, group: int) -> None:
         if self.on_disk(group):
-            self.disk.read_group(group, self.slots[slot])
+            self.disk.read(group, self.slots[slot])
             return
         src = self.arena.region(group)
         self.slots[slot][: src.numel()].copy_(src)
@@ -59,7 +59,9 @@ class SyncTransfer:
         """Block the host until every copy has finished (here: nothing to wait for)."""
 
     def close(self) -> None:
-        """Stop background work (the disk reader)."""
+        """Stop background work (the disk reader) and delete the disk tier's compressed cache."""
+        if self.disk is not None:
+            self.disk.close()
 
     def check_capture(self) -> None:
         """Raise when a CUDA graph is being captured and this transfer cannot be captured."""
@@ -84,8 +86,7 @@ class CudaTransfer(SyncTransfer):
         super().__init__(arena, slots, disk)
         self.prefetcher = None
         if disk is not None and disk.order:
-            size = max(disk.group_bytes.values())
-            self.prefetcher = DiskPrefetcher(disk, 2, size, pin=pin)
+            self.prefetcher = DiskPrefetcher(disk, 2, disk.max_read_bytes, pin=pin)
         self.device = device
         self.stream = torch.cuda.Stream(device)
         self.ready = [torch.cuda.Event() for _ in slots]
@@ -128,13 +129,24 @@ class CudaTransfer(SyncTransfer):
             src = self.arena.region(group)
             dst[: src.numel()].copy_(src, non_blocking=True)
             return
+        src, index = self.disk_source(group)
+        dst[: src.numel()].copy_(src, non_blocking=index is not None)
+        self.disk_copied(index)
+
+    def disk_source(self, group: int) -> tuple[torch.Tensor, int | None]:
+        """What crosses the wire for disk group `group` (its blob or raw layout) in host memory: the
+        reader's pinned bounce buffer and its index, or (out of the reader's order) a pageable tensor
+        read now and None. Enqueue its copy, then call `disk_copied`."""
         got = self.prefetcher.take(group)
-        if got is None:  # out of the reader's order: read now, copy synchronously from pageable memory
-            src = self.disk.load(group)
-            dst[: src.numel()].copy_(src)
+        if got is not None:
+            return got
+        return self.disk.read(group, torch.empty(self.disk.read_bytes(group), dtype=torch.uint8)), None
+
+    def disk_copied(self, index: int | None) -> None:
+        """The copy out of bounce buffer `index` is enqueued on the current stream: refill it once the
+        copy has finished (None: a pageable read, copied synchronously)."""
+        if index is None:
             return
-        src, index = got
-        dst[: src.numel()].copy_(src, non_blocking=True)
         copied = torch.cuda.Event()
         copied.record(torch.cuda.current_stream(self.device))
         self.prefetcher.give_back(index, copied)
@@ -165,9 +177,10 @@ class CudaTransfer(SyncTransfer):
         self.stream.synchronize()
 
     def close(self) -> None:
-        """Stop the disk reader, if any."""
+        """Stop the disk reader, if any, and delete the disk tier's compressed cache."""
         if self.prefetcher is not None:
             self.prefetcher.close()
+        super().close()
 
     @property
     def extra_pinned_bytes(self) -> int:

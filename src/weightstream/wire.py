@@ -6,7 +6,8 @@ so decoding group i overlaps the copy of group i+1; the slot's ready event is re
 decode, so compute (and the next copy into the same landing buffer) waits for it on the GPU. No host
 synchronization anywhere: CUDA-graph capture sees a copy, a kernel and events. Groups that did not
 compress (None) are copied raw straight into the slot as before. On the CPU backend the reference
-decoder fills the slot.
+decoder fills the slot. A compressed group of the disk tier (`disk.py`, `diskcache.py`) takes the same
+path, its blob coming from the disk reader's pinned bounce buffer instead of the arena.
 """
 
 from __future__ import annotations
@@ -76,17 +77,22 @@ class CodedSyncTransfer(SyncTransfer):
                  disk: DiskTier | None = None) -> None:
         super().__init__(arena, slots, disk)
         self.wire = wire
+        self.bounce: torch.Tensor | None = None  # compressed disk groups' blobs are read into it
 
     def _copy(self, slot: int, group: int) -> None:
         if self.wire[group] is None:
             super()._copy(slot, group)
+        elif self.on_disk(group):
+            if self.bounce is None:
+                self.bounce = torch.empty(self.disk.max_read_bytes, dtype=torch.uint8)
+            codec.decode_group(self.disk.read(group, self.bounce), self.slots[slot])
         else:
             codec.decode_group(self.arena.region(group), self.slots[slot])
 
     def raw_group(self, group: int) -> torch.Tensor:
-        """`group`'s bytes in its layout (decoded)."""
+        """`group`'s bytes in its layout (decoded; a disk group's read raw from its checkpoint)."""
         enc = self.wire[group]
-        if enc is None:
+        if enc is None or self.on_disk(group):
             return super().raw_group(group)
         return codec.decode_group(enc.blob, torch.zeros(enc.raw_bytes, dtype=torch.uint8))
 
@@ -108,9 +114,11 @@ class CodedCudaTransfer(CudaTransfer):
 
     def _warm_up(self) -> None:
         """Compile and load the kernel now, not inside a forward (or a CUDA graph capture)."""
-        for enc in self.wire:
+        for g, enc in enumerate(self.wire):
             if enc is not None and self.slots:
-                self.landing[0][: enc.wire_bytes].copy_(enc.blob)
+                blob = self.disk.read(g, torch.empty(enc.wire_bytes, dtype=torch.uint8)) \
+                    if self.on_disk(g) else enc.blob
+                self.landing[0][: enc.wire_bytes].copy_(blob)
                 self.decoder.decode(self.landing[0], self.slots[0], enc.chunks)
                 torch.cuda.synchronize(self.device)
                 return
@@ -128,12 +136,23 @@ class CodedCudaTransfer(CudaTransfer):
             self.stream.wait_event(self.ready[slot])  # the landing buffer's last decode has finished
         landing = self.landing[slot]
         with torch.cuda.stream(self.stream):
-            landing[: enc.wire_bytes].copy_(enc.blob, non_blocking=True)
+            self._land(slot, group)
         self.decode_stream.wait_stream(self.stream)
         with torch.cuda.stream(self.decode_stream):
             self.decoder.decode(landing, self.slots[slot], enc.chunks)
         self.ready[slot].record(self.decode_stream)
         self.ready_in_capture[slot] = capturing
+
+    def _land(self, slot: int, group: int) -> None:
+        """Enqueue the copy of `group`'s blob into `slot`'s landing buffer on the current stream: from
+        the arena, or from the disk reader's bounce buffer (refilled once the copy is done)."""
+        enc = self.wire[group]
+        if not self.on_disk(group):
+            self.landing[slot][: enc.wire_bytes].copy_(enc.blob, non_blocking=True)
+            return
+        src, index = self.disk_source(group)
+        self.landing[slot][: enc.wire_bytes].copy_(src, non_blocking=index is not None)
+        self.disk_copied(index)
 
     def fetch_now(self, slot: int, group: int) -> None:
         """A miss: copy and decode `group` on the compute stream, after any work still in flight on
@@ -143,7 +162,7 @@ class CodedCudaTransfer(CudaTransfer):
             super().fetch_now(slot, group)
             return
         self.wait(slot)
-        self.landing[slot][: enc.wire_bytes].copy_(enc.blob, non_blocking=True)
+        self._land(slot, group)
         self.decoder.decode(self.landing[slot], self.slots[slot], enc.chunks)
 
     def close(self) -> None:
@@ -165,7 +184,7 @@ class CodedCudaTransfer(CudaTransfer):
     def raw_group(self, group: int) -> torch.Tensor:
         """`group`'s bytes in its layout, decoded on the GPU into a new GPU tensor."""
         enc = self.wire[group]
-        if enc is None:
+        if enc is None or self.on_disk(group):
             return super().raw_group(group)
         out = torch.zeros(enc.raw_bytes, dtype=torch.uint8, device=self.device)
         blob = enc.blob.to(self.device)
