@@ -49,9 +49,9 @@ def main(argv: list[str] | None = None) -> int:
                       help='host memory for offloaded weights, as for from_pretrained (default: no limit)')
     plan.add_argument("--steps", type=int, default=28, help="denoising steps per generation (pipelines)")
     plan.add_argument("--json", action="store_true", help="print JSON for tools")
-    plan.add_argument("--compress", default="false", choices=["auto", "true", "false"],
+    plan.add_argument("--compress", default="auto", choices=["auto", "true", "false"],
                       help="stream groups losslessly compressed, as offload(compress=...): true, "
-                           "false (the default) or auto (when predicted faster); the output shows the "
+                           "false or auto (the default: when predicted faster; raw without a GPU); the output shows the "
                            "predicted wire bytes, ratio and landing buffers")
     args = parser.parse_args(argv)
 
@@ -82,7 +82,7 @@ def _run(args: argparse.Namespace) -> int:
 
         pipeline = os.path.isfile(os.path.join(args.model, "model_index.json"))  # a diffusers pipeline folder
         compress = {"auto": "auto", "true": True, "false": False}[args.compress]
-        if pipeline and compress is not False:
+        if pipeline and compress is True:
             raise ArgumentError("--compress: offload(pipeline) streams its components raw for now; "
                                 "plan a pipeline without --compress")
         report = (plan_pipeline(args.model, args.gpu_memory, args.steps, args.strategy) if pipeline

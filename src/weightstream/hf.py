@@ -267,7 +267,7 @@ def from_pretrained(
     tokens: int = 1,
     progress: bool = True,
     profile: MachineProfile | None = None,
-    compress: bool | str = False,
+    compress: bool | str = "auto",
     cache_dir: str | os.PathLike | None = None,
 ) -> nn.Module:
     """Load the model in the local folder `path` so its weights take at most `gpu_memory`.

@@ -20,7 +20,7 @@ from torch import nn
 from . import guards, ops, replay
 from .disk import DiskTier
 from .entries import _set_tensor
-from .errors import OffloadStateError
+from .errors import ArgumentError, OffloadStateError
 from .host import HostArena
 from .plan import Placement
 from .prepare import Prepared, _plain, _resolve_device, final_places, prepare
@@ -342,7 +342,7 @@ def offload(
     tokens: int = 1,
     profile: MachineProfile | None = None,
     placement: Placement | None = None,
-    compress: bool | str = False,
+    compress: bool | str = "auto",
 ) -> OffloadHandle | PipelineHandle:
     """Offload `model` in place so its weights take at most `gpu_memory` on `device`; return the handle.
 
@@ -371,7 +371,9 @@ def offload(
         model's cost, `prepare(...).cost`): how tests and tools force the case they need.
     compress: stream bf16/fp16 groups losslessly compressed (`codec.py`, about 0.71 of the bytes for
         Hugging Face-initialized bf16 weights) and decode them on the GPU into the slots: True, False
-        (the default) or "auto" (when the planner predicts it faster; never on the CPU backend).
+        or "auto" (the default: compressed wherever the planner predicts it faster, which on the H200
+        is every streamed bf16 placement measured (docs/compression.md); never on the CPU backend, and
+        never for tensor subclasses, whose groups stream raw). False forces raw groups.
         Outputs stay bit-identical; landing buffers for the compressed bytes count in `gpu_memory`.
 
     A diffusers pipeline is offloaded as a whole (`pipeline.offload_pipeline`, a `PipelineHandle`).
@@ -379,6 +381,10 @@ def offload(
     from .pipeline import is_pipeline, offload_pipeline
 
     if is_pipeline(model):  # a diffusers pipeline: one budget over its components (pipeline.py)
+        if compress is True:
+            raise ArgumentError("compress=True: offload(pipeline) streams its components raw for now; "
+                                "leave compress at 'auto' (raw for a pipeline) or offload a component alone "
+                                "with compress=True")
         return offload_pipeline(model, gpu_memory, device=device, pin_memory=pin_memory, strategy=strategy)
     prep = prepare(model, gpu_memory, device, blocks, strategy=strategy, tokens=tokens,
                    pin_memory=pin_memory, profile=profile, placement=placement,

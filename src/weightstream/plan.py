@@ -168,7 +168,7 @@ def plan(
     strategy: str = "auto",
     max_slots: int = 2,
     host_bytes: int | None = None,
-    compress: bool | str = False,
+    compress: bool | str = "auto",
 ) -> Placement:
     """The fastest placement of `model` whose weights fit in `budget` bytes of GPU memory.
 

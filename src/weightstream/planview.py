@@ -14,7 +14,7 @@ from .sizes import format_size, parse_size
 
 def plan_report(model_name: str, gpu_memory: int | str, tokens: int = 1, strategy: str = "auto",
                 prefill_tokens: int = 2048, dtype: str | torch.dtype | None = None,
-                cpu_memory: int | str | None = None, compress: bool | str = False) -> dict:
+                cpu_memory: int | str | None = None, compress: bool | str = "auto") -> dict:
     """The placement of `model_name` (built-in shape or local folder) under `gpu_memory`, optimized for
     `tokens` tokens per forward, with predicted ms for decode (1 token) and prefill; plain data.
 

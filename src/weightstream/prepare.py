@@ -145,7 +145,7 @@ def prepare(
     profile: MachineProfile | None = None,
     host_bytes: int | None = None,
     placement: Placement | None = None,
-    compress: bool | str = False,
+    compress: bool | str = "auto",
 ) -> Prepared:
     """Check the model and plan what stays on `device`, what streams and what is read in place
     (zero copy); moves nothing yet.
@@ -179,8 +179,8 @@ def prepare(
         raise ArgumentError("strategy='uva' reads pinned host memory in place: it needs pin_memory=True")
     if compress not in (True, False, "auto"):
         raise ArgumentError(f"compress={compress!r}: choose True, False or 'auto'")
-    if compress == "auto" and device.type != "cuda" and not allow_meta:
-        compress = False  # no link to save on the CPU backend (a plan from sizes alone keeps "auto")
+    if compress == "auto" and device.type != "cuda":
+        compress = False  # no link to save on the CPU backend
     cost = model_cost(entries, per_block, [size for _, size in layouts], activation_width(model),
                       expert_routing(model), wire=compress is not False)
     if placement is None:
