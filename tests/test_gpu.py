@@ -63,6 +63,7 @@ def twins(arch="llama"):
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "mixtral"])
 def test_eager_exact_and_streamed_bytes_leave_the_gpu(arch):
     ref, model = twins(arch)
+    gc.collect()  # earlier tests' cycles, else freed mid-offload and counted as offloaded
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     handle = ws.offload(model, gpu_memory=streaming_all_budget(model), strategy="stream", profile=H200)
@@ -151,6 +152,7 @@ def test_generate_same_tokens_and_restore():
     original = state_copy(model)
     with torch.no_grad():
         model(ids_for())  # cuBLAS allocates its workspace on the first matmul: keep it out of the count
+    gc.collect()  # earlier tests' cycles, else freed mid-offload and counted as offloaded
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     handle = ws.offload(model, gpu_memory=streaming_all_budget(model), strategy="stream", profile=H200)
@@ -206,6 +208,7 @@ def assert_exact_eager_compiled_and_in_a_graph(ref, model):
 @pytest.mark.parametrize("strategy", ["uva", "auto"])
 def test_zero_copy_and_auto_are_exact_eager_compiled_and_in_a_graph(strategy, eager_rounding):
     ref, model = twins()
+    gc.collect()  # earlier tests' cycles, else freed mid-offload and counted as offloaded
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     handle = ws.offload(model, gpu_memory=streaming_all_budget(model), strategy=strategy, profile=H200)
@@ -239,6 +242,7 @@ def test_streaming_part_of_each_block_is_exact_eager_compiled_and_in_a_graph(arc
     block stays, and outputs are bit-identical eager, compiled (fullgraph) and replayed from a graph."""
     ref, model = twins(arch)
     budget = part_placement_budget(model)
+    gc.collect()  # earlier tests' cycles, else freed mid-offload and counted as offloaded
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     handle = ws.offload(model, gpu_memory=budget, strategy="stream", profile=H200)
