@@ -51,8 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     plan.add_argument("--json", action="store_true", help="print JSON for tools")
     plan.add_argument("--compress", default="auto", choices=["auto", "true", "false"],
                       help="stream groups losslessly compressed, as offload(compress=...): true, "
-                           "false or auto (the default: when predicted faster; raw without a GPU); the output shows the "
-                           "predicted wire bytes, ratio and landing buffers")
+                           "false or auto (the default: when predicted faster; raw without a GPU); "
+                           "the output shows the predicted wire bytes, ratio and landing buffers")
     args = parser.parse_args(argv)
 
     from .errors import WeightstreamError
