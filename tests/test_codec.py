@@ -69,7 +69,8 @@ def tensors(draw):
     if mode == "bits" or not dtype.is_floating_point or dtype == torch.float8_e4m3fn:
         t = random_bits(n, dtype, seed)
     elif mode == "equal":
-        t = torch.full((n,), draw(st.sampled_from(SPECIALS + [1.0, 0.02])), dtype=dtype)
+        # filled in fp32 and cast: torch.full refuses a value out of fp16's range (1e30 becomes inf)
+        t = torch.full((n,), draw(st.sampled_from(SPECIALS + [1.0, 0.02]))).to(dtype)
     else:
         t = hf_init(n, dtype, seed)
         if mode == "specials":
