@@ -154,17 +154,6 @@ class CodedCudaTransfer(CudaTransfer):
         self.landing[slot][: enc.wire_bytes].copy_(src, non_blocking=index is not None)
         self.disk_copied(index)
 
-    def fetch_now(self, slot: int, group: int) -> None:
-        """A miss: copy and decode `group` on the compute stream, after any work still in flight on
-        `slot` and its landing buffer."""
-        enc = self.wire[group]
-        if enc is None:
-            super().fetch_now(slot, group)
-            return
-        self.wait(slot)
-        self._land(slot, group)
-        self.decoder.decode(self.landing[slot], self.slots[slot], enc.chunks)
-
     def close(self) -> None:
         """Stop the disk reader, if any, and free the landing buffers (restore no longer needs them)."""
         super().close()

@@ -69,8 +69,11 @@ METHODS = (
            gives_reference=True),
     Method("ws-uva", ws_prepare("uva"), MODES, "weightstream, blocks read in place from pinned memory",
            gives_reference=True),
-    Method("ws-auto", ws_prepare("auto"), MODES, "weightstream, the planner's choice (offload's default "
-           "compress=)", gives_reference=True),
+    Method("ws-auto", ws_prepare("auto"), MODES, "weightstream, the planner's choice (offload's defaults; "
+           "compress='auto' since 2026-12-03: results recorded before streamed raw)", gives_reference=True),
+    Method("ws-auto-raw", ws_prepare("auto", compress=False), MODES,
+           "weightstream, the planner's choice with every group raw on the wire (compress=False)",
+           gives_reference=True),
     Method("ws-auto-compress", ws_prepare("auto", compress=True), MODES,
            "weightstream, the planner's choice with groups losslessly compressed on the wire (compress=True)",
            gives_reference=True),
