@@ -200,7 +200,10 @@ def test_the_state_dict_of_a_compressed_model_is_the_true_weights():
                         compress=True)
     assert handle.placement.compressed and any(handle._wire)
     want = ref.state_dict()
+    guards = model.__dict__["_ws_guards"]
     got = model.state_dict()
     assert set(got) == set(want) and all(torch.equal(got[k], want[k]) for k in want)
+    assert guards._decoded == (None, None)  # no decoded group kept on the host afterwards
     named = dict(model.named_parameters())
     assert all(torch.equal(named[k], v) for k, v in ref.named_parameters())
+    assert guards._decoded == (None, None)

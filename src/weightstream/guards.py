@@ -59,6 +59,8 @@ class ModelGuards:
                 sites.setdefault(id(site.module), (site.module, []))[1].append((site.name, entry))
         for module, names in sites.values():
             self._hooks.append(module.register_state_dict_post_hook(self._state_dict_hook(names)))
+        # the model's own hook runs after every submodule's: the decoded group is not kept afterwards
+        self._hooks.append(model.register_state_dict_post_hook(lambda *args: self.forget_decoded()))
         for module in self.modules:
             for name, method in _PATCHES.items():
                 module.__dict__[name] = types.MethodType(method, module)  # past nn.Module.__setattr__
@@ -94,6 +96,11 @@ class ModelGuards:
             raw = self._decoded[1][sl.offset : sl.offset + sl.nbytes].clone()
             return entry.view_of(raw)
         return entry.view_of(self.handle._arena.region(g)[sl.offset : sl.offset + sl.nbytes])
+
+    def forget_decoded(self) -> None:
+        """Drop the host copy of the last compressed group decoded for `true_value` (kept while a
+        state_dict or a parameters() walk reads that group's tensors one by one)."""
+        self._decoded = (None, None)
 
     def _state_dict_hook(self, names):
         def hook(module, state_dict, prefix, local_metadata):
@@ -139,11 +146,14 @@ def _guarded_requires_grad(self, requires_grad: bool = True):
 
 def _true_members(self, members: Iterator[tuple[str, torch.Tensor]], is_param: bool):
     guards = self.__dict__["_ws_guards"]
-    for name, tensor in members:
-        value = guards.true_value(tensor)
-        if value is not tensor and is_param:
-            value = nn.Parameter(value, requires_grad=False)
-        yield name, value
+    try:
+        for name, tensor in members:
+            value = guards.true_value(tensor)
+            if value is not tensor and is_param:
+                value = nn.Parameter(value, requires_grad=False)
+            yield name, value
+    finally:  # the walk ended (or was dropped): no decoded group stays on the host
+        guards.forget_decoded()
 
 
 def _guarded_named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
