@@ -6,6 +6,7 @@ encoder (T5 and Whisper encoder-decoders in SEQ2SEQ) and Jamba; a root-level nn.
 from __future__ import annotations
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
 
 
@@ -147,3 +148,16 @@ def whisper(seed: int = 0):
 
 
 SEQ2SEQ = {"t5": t5, "whisper": whisper}
+
+
+def call(model, inputs):
+    """The model's output on `inputs` (a dict of keyword arguments), without autograd."""
+    with torch.no_grad():
+        return model(**inputs)
+
+
+def same(a, b) -> bool:
+    """True when every tensor in output `a` is bit-identical to its counterpart in `b` (and there is one)."""
+    la, lb = pytree.tree_leaves(a), pytree.tree_leaves(b)
+    tensors = [(x, y) for x, y in zip(la, lb, strict=True) if isinstance(x, torch.Tensor)]
+    return bool(tensors) and all(torch.equal(x, y) for x, y in tensors)

@@ -16,9 +16,8 @@ import warnings
 
 import pytest
 import torch
-import torch.utils._pytree as pytree
 from conftest import with_boundaries
-from model_zoo import ZOO
+from model_zoo import ZOO, call, same
 
 import weightstream as ws
 from weightstream.offload import prepare
@@ -64,17 +63,6 @@ def stream_every_block(model, n_slots: int = 2):
     assert stats.groups == n >= 2 and stats.streamed_bytes > 0
     assert freed >= stats.streamed_bytes - stats.staging_bytes - slack, (freed, stats)
     return handle, freed, slack
-
-
-def call(model, inputs):
-    with torch.no_grad():
-        return model(**inputs)
-
-
-def same(a, b) -> bool:
-    la, lb = pytree.tree_leaves(a), pytree.tree_leaves(b)
-    tensors = [(x, y) for x, y in zip(la, lb, strict=True) if isinstance(x, torch.Tensor)]
-    return bool(tensors) and all(torch.equal(x, y) for x, y in tensors)
 
 
 def fresh(x: torch.Tensor, seed: int) -> torch.Tensor:

@@ -11,9 +11,8 @@ import warnings
 
 import pytest
 import torch
-import torch.utils._pytree as pytree
 from conftest import with_boundaries
-from model_zoo import ZOO
+from model_zoo import ZOO, call, same
 
 import weightstream as ws
 from weightstream.blocks import find_blocks
@@ -34,17 +33,6 @@ def stream_every_block(model, n_slots: int = 2):
     n = len(cost.block_bytes)
     placement = placement_of(cost, tuple(range(n)), min(n_slots, n))
     return ws.offload(model, gpu_memory=placement.gpu_bytes, device="cpu", placement=placement)
-
-
-def call(model, inputs):
-    with torch.no_grad():
-        return model(**inputs)
-
-
-def same(a, b) -> bool:
-    la, lb = pytree.tree_leaves(a), pytree.tree_leaves(b)
-    tensors = [(x, y) for x, y in zip(la, lb, strict=True) if isinstance(x, torch.Tensor)]
-    return bool(tensors) and all(torch.equal(x, y) for x, y in tensors)
 
 
 @pytest.mark.parametrize("name", list(ZOO))
