@@ -12,7 +12,6 @@ before.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import torch
@@ -23,6 +22,7 @@ from .disk import DiskTier
 from .diskcache import DiskCache
 from .host import HostArena
 from .prepare import Prepared, _plain
+from .wire import place, sized
 
 
 def _coded(prep: Prepared, stored_of: dict[int, StoredTensor], g: int) -> codec.EncodedGroup | None:
@@ -67,8 +67,7 @@ def encode(prep: Prepared, pairs, disk: DiskTier | None, cache_dir: str | os.Pat
             if enc is not None:
                 if disk is not None and disk.holds(g):
                     blobs[g] = cache.append(enc.blob)
-                enc = dataclasses.replace(enc, blob=torch.empty(enc.wire_bytes, dtype=torch.uint8,
-                                                                device="meta"))
+                enc = sized(enc)
             wire.append(enc)
     except BaseException:
         if cache is not None:
@@ -90,11 +89,6 @@ def fill_host(arena: HostArena, prep: Prepared, pairs, wire: list[codec.EncodedG
     placed = []
     for g, enc in enumerate(wire):
         if enc is not None and not (disk is not None and disk.holds(g)):
-            again = _coded(prep, stored_of, g)
-            if again is None or again.wire_bytes != enc.wire_bytes:
-                raise RuntimeError(f"weightstream: group {g} encoded to a different size the second time")
-            region = arena.region(g)
-            region.copy_(again.blob)
-            enc = dataclasses.replace(enc, blob=region)
+            enc = place(arena, g, enc, _coded(prep, stored_of, g))
         placed.append(enc)
     return placed

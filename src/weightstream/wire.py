@@ -22,6 +22,24 @@ from .host import HostArena
 from .transfer import CudaTransfer, SyncTransfer
 
 
+def sized(enc: codec.EncodedGroup) -> codec.EncodedGroup:
+    """`enc` with its blob dropped: a meta tensor of the blob's size (the arena is allocated from it
+    before the blob is written where it goes)."""
+    return dataclasses.replace(enc, blob=torch.empty(enc.wire_bytes, dtype=torch.uint8, device="meta"))
+
+
+def place(arena: HostArena, group: int, enc: codec.EncodedGroup,
+          again: codec.EncodedGroup | None) -> codec.EncodedGroup:
+    """Write `again` (group `group` coded a second time) into its arena region; `enc` (from the first
+    coding, which sized the region) pointing at the region. The codec is deterministic: a different
+    size is a bug, raised."""
+    if again is None or again.wire_bytes != enc.wire_bytes:
+        raise RuntimeError(f"weightstream: group {group} encoded to a different size the second time")
+    region = arena.region(group)
+    region.copy_(again.blob)
+    return dataclasses.replace(enc, blob=region)
+
+
 def encode_groups(groups, group_bytes: list[int], landing_bytes: int, device: torch.device,
                   progress: bool | None = None,
                   only: list[bool] | None = None) -> list[codec.EncodedGroup | None]:
@@ -43,8 +61,7 @@ def encode_groups(groups, group_bytes: list[int], landing_bytes: int, device: to
             continue
         enc = codec.encode_group([(entry.tensor, sl.offset) for entry, sl in group], nbytes, where)
         if enc is not None and enc.wire_bytes <= landing_bytes:
-            encoded.append(dataclasses.replace(enc, blob=torch.empty(enc.wire_bytes, dtype=torch.uint8,
-                                                                     device="meta")))
+            encoded.append(sized(enc))
         else:
             encoded.append(None)
     return encoded
@@ -59,13 +76,9 @@ def fill_arena(arena: HostArena, wire: list[codec.EncodedGroup | None], groups,
     placed = []
     for g, enc in enumerate(wire):
         if enc is not None:
-            region = arena.region(g)
             again = codec.encode_group([(entry.tensor, sl.offset) for entry, sl in groups[g]],
                                        enc.raw_bytes, where)
-            if again is None or again.wire_bytes != enc.wire_bytes:
-                raise RuntimeError(f"weightstream: group {g} encoded to a different size the second time")
-            region.copy_(again.blob)
-            enc = dataclasses.replace(enc, blob=region)
+            enc = place(arena, g, enc, again)
         placed.append(enc)
     return placed
 
