@@ -45,3 +45,12 @@ def test_timelines_of_one_method_and_phase_at_two_budgets_keep_both_plots(bench_
     names = sorted(n for n in map(os.path.basename, paths) if n.startswith("timeline"))
     assert names == ["timeline_tiny_ws-auto_decode-b1_25pct.png", "timeline_tiny_ws-auto_decode-b1_50pct.png"]
     assert all((tmp_path / n).stat().st_size > 0 for n in names)
+
+
+def test_plot_timeline_with_a_decode_row(tmp_path):
+    pytest.importorskip("matplotlib")
+    events = [("copy", "Memcpy HtoD (Pinned -> Device)", 0.0, 4.0), ("decode", "_decode_kernel", 4.0, 4.5),
+              ("compute", "gemm", 4.5, 6.0)]
+    png = tmp_path / "timeline.png"
+    plots.plot_timeline(events, str(png))
+    assert png.stat().st_size > 0

@@ -1,4 +1,4 @@
-"""Profiler timelines: GPU activities split into a copy row and a compute row."""
+"""Profiler timelines: GPU activities split into copy, decode and compute rows, and their summary."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from weightstream.bench.shapes import build_model
-from weightstream.bench.timeline import record_timeline, timeline_events
+from weightstream.bench.timeline import record_timeline, summary, timeline_events
 
 
 def test_timeline_events_put_host_copies_on_the_copy_row():
@@ -30,3 +30,19 @@ def test_timeline_events_put_host_copies_on_the_copy_row():
 def test_record_timeline_is_empty_on_the_cpu():
     model = build_model("tiny", torch.device("cpu"))
     assert record_timeline(model, lambda: pytest.fail("must not run a forward on the CPU")) == []
+
+
+def test_decode_kernels_get_their_own_row_and_the_summary_counts_overlaps_once():
+    cuda = torch.autograd.DeviceType.CUDA
+
+    def event(name, start_us, end_us):
+        span = SimpleNamespace(start=start_us, end=end_us)
+        return SimpleNamespace(name=name, device_type=cuda, time_range=span)
+
+    events = timeline_events([event("Memcpy HtoD (Pinned -> Device)", 0, 4000),
+                              event("_decode_kernel", 4000, 5000), event("gemm", 1000, 3000),
+                              event("gemm", 2000, 3500), event("gemm", 5000, 6000)])
+    assert [e[0] for e in events] == ["copy", "compute", "compute", "decode", "compute"]
+    assert summary(events) == {"span_ms": 6.0, "copy_ms": 4.0, "decode_ms": 1.0, "compute_ms": 3.5,
+                               "compute_idle_ms": 2.5}
+    assert summary([]) == {}

@@ -69,15 +69,19 @@ def plot_tokens_per_s(docs: list[dict], png_path: str) -> None:
 
 
 def plot_timeline(events: list, png_path: str, title: str = "one forward") -> None:
-    """Draw a forward's GPU timeline: a "copy" row (host->GPU copies) above a "compute" row, from
-    (stream, label, start_ms, end_ms) tuples. Needs matplotlib (the `bench` extra)."""
+    """Draw a forward's GPU timeline: a "copy" row (host->GPU copies), a "decode" row where compressed
+    groups were decoded, and a "compute" row, from (stream, label, start_ms, end_ms) tuples. Needs
+    matplotlib (the `bench` extra)."""
     plt = _pyplot()
     rows = {"compute": (0, "C0"), "copy": (1, "C1")}
-    fig, ax = plt.subplots(figsize=(12, 2.6))
+    if any(e[0] == "decode" for e in events):
+        rows = {"compute": (0, "C0"), "decode": (1, "C2"), "copy": (2, "C1")}
+    fig, ax = plt.subplots(figsize=(12, 2.2 + 0.4 * len(rows)))
     for stream, (y, color) in rows.items():
         spans = [(float(s), float(e) - float(s)) for st, _, s, e in events if st == stream]
         ax.broken_barh(spans, (y - 0.35, 0.7), facecolors=color, edgecolors="white", linewidth=0.3)
-    ax.set(yticks=[0, 1], yticklabels=list(rows), xlabel="ms from the first GPU activity", title=title)
+    ax.set(yticks=list(range(len(rows))), yticklabels=list(rows), xlabel="ms from the first GPU activity",
+           title=title)
     ax.grid(True, axis="x", alpha=0.3)
     fig.tight_layout()
     fig.savefig(png_path, dpi=120)
@@ -94,7 +98,8 @@ def write_plots(docs: list[dict], png_dir: str) -> list[str]:
     for doc in docs:
         for t in doc.get("timelines", []):
             share = f"_{round(100 * t['budget_bytes'] / doc['weight_bytes'])}pct" if t["budget_bytes"] else ""
-            name = f"timeline_{doc['shape']['name']}_{t['method']}_{t['phase']}{share}.png"
+            mode = "" if t.get("mode", "eager") == "eager" else f"_{t['mode']}"
+            name = f"timeline_{doc['shape']['name']}_{t['method']}_{t['phase']}{mode}{share}.png"
             paths.append(os.path.join(png_dir, name))
             title = (f"{doc['shape']['name']} {t['method']} {t['phase']} {t['mode']}, "
                      f"budget {format_size(t['budget_bytes'])}")

@@ -7,7 +7,9 @@ Result document (`validate` checks it; sizes in bytes, times in ms, bandwidth in
     versions: {accelerate, diffusers: version or None}; inductor_emulate_precision_casts: bool
     build_device, build_note, reference ("resident" or "first weightstream method"), budgets, phases
     skipped_methods: {method: reason} (import missing, needs CUDA, does not fit)
-    timelines: [{method, phase, budget_bytes, mode, events: [[stream, label, start_ms, end_ms], ...]}]
+    timelines: [{method, phase, budget_bytes, mode, events: [[stream, label, start_ms, end_ms], ...],
+        summary: {span_ms, copy_ms, decode_ms, compute_ms, compute_idle_ms} (optional)}]; stream is
+        "copy", "decode" or "compute"; eager and compiled weightstream rows at the first budget
     aborted: why the run stopped early (only when a method could not be undone)
     max_seconds: the run's time budget (None: none); measurements past it are rows with `skipped`
     method_seconds: each method's time limit per budget and phase, preparation included (None: none);

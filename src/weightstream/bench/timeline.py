@@ -1,5 +1,6 @@
-"""Profiler timelines: one forward's GPU activities as (stream, label, start_ms, end_ms) rows, host->GPU
-copies on the "copy" row and everything else on "compute", to see whether copies hide behind compute."""
+"""Profiler timelines: one forward's GPU activities as (stream, label, start_ms, end_ms) rows: host->GPU
+copies on the "copy" row, the compressed groups' decode kernels on "decode" and everything else on
+"compute", to see whether copies and decodes hide behind compute."""
 
 from __future__ import annotations
 
@@ -22,19 +23,50 @@ def _cuda_device_of(obj) -> torch.device | None:
     return next((t.device for t in [*obj.parameters(), *obj.buffers()] if t.device.type == "cuda"), None)
 
 
+DECODE_KERNEL = "_decode_kernel"  # codec_triton's kernel: its launches are named after it
+
+
+def row_of(name: str) -> str:
+    """The timeline row of a GPU activity: "copy" (host->GPU), "decode" (weightstream's decoder of
+    compressed groups) or "compute" (everything else)."""
+    if "Memcpy HtoD" in name:
+        return "copy"
+    return "decode" if DECODE_KERNEL in name else "compute"
+
+
 def timeline_events(profile_events) -> list[tuple[str, str, float, float]]:
-    """(stream, label, start_ms, end_ms) of the GPU activities among torch.profiler events: host->GPU
-    copies ("Memcpy HtoD") on the "copy" row, every other kernel, copy or memset on "compute". Times
-    are from the first activity."""
+    """(stream, label, start_ms, end_ms) of the GPU activities among torch.profiler events, each on the
+    row `row_of` gives it. Times are from the first activity."""
     from torch.autograd import DeviceType
 
     gpu = [e for e in profile_events if getattr(e, "device_type", None) == DeviceType.CUDA]
     if not gpu:
         return []
     t0 = min(e.time_range.start for e in gpu)
-    rows = [("copy" if "Memcpy HtoD" in e.name else "compute", e.name[:80],
+    rows = [(row_of(e.name), e.name[:80],
              (e.time_range.start - t0) / 1e3, (e.time_range.end - t0) / 1e3) for e in gpu]
     return sorted(rows, key=lambda r: r[2])
+
+
+def busy_ms(events, row: str) -> float:
+    """Milliseconds in which `row` has at least one activity (overlapping spans counted once)."""
+    total, end = 0.0, float("-inf")
+    for start, stop in sorted((float(s), float(e)) for r, _, s, e in events if r == row):
+        if stop > end:
+            total += stop - max(start, end)
+            end = stop
+    return total
+
+
+def summary(events) -> dict[str, float]:
+    """One timeline in figures: its span and each row's busy ms (copy, decode, compute), and the
+    compute row's idle ms within the span (where compute waited for copies or decodes)."""
+    if not events:
+        return {}
+    span = max(float(e) for *_, e in events) - min(float(s) for _, _, s, _ in events)
+    rows = {row: busy_ms(events, row) for row in ("copy", "decode", "compute")}
+    return {"span_ms": span, **{f"{row}_ms": ms for row, ms in rows.items()},
+            "compute_idle_ms": span - rows["compute"]}
 
 
 def record_timeline(handle_or_model, forward_fn: Callable[[], object]) -> list[tuple[str, str, float, float]]:
@@ -68,4 +100,7 @@ def store_timeline(doc: dict, row, model, call: Callable[[], torch.Tensor]) -> N
         return
     if events:
         doc["timelines"].append({"method": row.method, "phase": row.phase, "mode": row.mode,
-                                 "budget_bytes": row.budget_bytes, "events": events})
+                                 "budget_bytes": row.budget_bytes, "events": events,
+                                 "summary": summary(events)})
+        figures = ", ".join(f"{k} {v:.1f}" for k, v in summary(events).items())
+        log(f"timeline of {row.method} {row.phase} {row.mode}: {figures}")

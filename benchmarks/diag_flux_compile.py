@@ -1,0 +1,116 @@
+"""Why a compiled, offloaded Flux transformer can differ from its compiled resident self in bf16.
+
+docs/exactness.md names one cause: Inductor fuses an op at the end of one block with the start of the
+next in the resident graph, and weightstream's ops sit on that edge, so the offloaded graph cannot
+fuse there. This checks that it is the only cause, at Flux.1-dev's width and its 1024x1024 token count
+(4096 image + 512 text tokens), with fewer blocks so each compile takes seconds, not minutes:
+
+  - eager: resident, resident with the (idle) ops on every block edge, offloaded raw, offloaded
+    compressed: all four must be equal;
+  - compiled (fullgraph, `emulate_precision_casts` on): the same four. The offloaded ones are compared
+    with the resident model (what users see) and with the resident model with the ops on the same
+    edges (the same graph, fused the same way). Equal to the second and not to the first means the
+    difference is the fusion edge and not the bytes that were streamed.
+
+Every block streams through two slots (a forced placement, so no profile decides it).
+
+    PYTHONPATH=src:tests python3 benchmarks/diag_flux_compile.py --out DIR             # H200
+    PYTHONPATH=src:tests python3 benchmarks/diag_flux_compile.py --out DIR --tiny      # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from conftest import with_boundaries
+
+import weightstream as ws
+from weightstream.bench.diffusion import FLUX_DEV, TINY_FLUX, Diffusion
+from weightstream.bench.phases import Phase
+from weightstream.plan import placement_of
+from weightstream.prepare import prepare
+
+
+def offloaded(model, device: torch.device, compress: bool):
+    """`model` offloaded with every block streamed through two slots."""
+    cost = prepare(model, gpu_memory=2**40, device=device).cost
+    placement = placement_of(cost, tuple(range(len(cost.block_bytes))), 2)
+    # compressed groups need landing buffers beside the slots: the budget is the planner's business,
+    # the placement is forced
+    budget = placement.gpu_bytes * 2 if compress else placement.gpu_bytes
+    return ws.offload(model, gpu_memory=budget, device=device, placement=placement, compress=compress)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--double", type=int, default=2, help="double-stream blocks (Flux.1-dev: 19)")
+    parser.add_argument("--single", type=int, default=4, help="single-stream blocks (Flux.1-dev: 38)")
+    parser.add_argument("--tiny", action="store_true", help="the tiny Flux config on the CPU (a smoke run)")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    device = torch.device("cpu" if args.tiny else "cuda")
+    fields = dict(TINY_FLUX if args.tiny else FLUX_DEV, num_layers=args.double, num_single_layers=args.single)
+    torch._inductor.config.emulate_precision_casts = True
+    kind = Diffusion(fields)
+    ref = kind.build(fields, device, seed=0)
+    image, text = fields["input_image_tokens"], fields["input_text_tokens"]
+    x = kind.inputs(ref, [Phase("denoise-b1", 1, image + text)], device, seed=0)["denoise-b1"]
+    models = {"resident": ref, "resident+ops": with_boundaries(copy.deepcopy(ref))}
+    handles = {}
+    for name, compress in (("offloaded raw", False), ("offloaded compressed", True)):
+        models[name] = copy.deepcopy(ref)
+        handles[name] = offloaded(models[name], device, compress)
+    gpu = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    lines = [f"# {' '.join(sys.argv)}", f"# {gpu}, torch {torch.__version__}; {args.double} double + "
+             f"{args.single} single blocks, {image} + {text} tokens, bf16"]
+    doc = {}
+    for name, handle in handles.items():
+        s = handle.stats
+        lines.append(f"{name}: {s.groups} groups through {s.slots} slots, wire {s.wire_bytes / 1e6:.1f} "
+                     f"MB of {s.wire_raw_bytes / 1e6:.1f} MB")
+    outputs = {}
+    with torch.no_grad():
+        for name, model in models.items():
+            outputs[("eager", name)] = kind.forward(model, x).clone()
+        for name, model in models.items():
+            torch._dynamo.reset()
+            torch._dynamo.utils.counters.clear()
+            start = time.perf_counter()
+            fn = torch.compile(lambda x, model=model: kind.forward(model, x), fullgraph=True)
+            fn(x)
+            outputs[("compiled", name)] = fn(x).clone()
+            breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
+            lines.append(f"compiled {name}: {time.perf_counter() - start:.1f} s, {breaks} graph breaks")
+            doc[f"graph_breaks {name}"] = breaks
+
+    def diff(a, b):
+        return (outputs[a].float() - outputs[b].float()).abs().max().item()
+
+    for mode in ("eager", "compiled"):
+        for name in ("resident+ops", "offloaded raw", "offloaded compressed"):
+            for against in ("resident", "resident+ops"):
+                if name == against:
+                    continue
+                equal = torch.equal(outputs[(mode, name)], outputs[(mode, against)])
+                doc[f"{mode}: {name} == {against}"] = equal
+                lines.append(f"{mode}: {name} vs {against}: equal {equal} (max abs diff "
+                             f"{diff((mode, name), (mode, against)):.3g})")
+    for handle in handles.values():
+        handle.restore()
+    text_out = "\n".join(lines)
+    print(text_out)
+    stem = "diag_flux_compile" + ("_tiny" if args.tiny else "")
+    (out / f"{stem}.log").write_text(text_out + "\n")
+    (out / f"{stem}.json").write_text(json.dumps(dict(command=" ".join(sys.argv), **doc), indent=1))
+
+
+if __name__ == "__main__":
+    main()
