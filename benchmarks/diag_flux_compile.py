@@ -38,13 +38,14 @@ from weightstream.prepare import prepare
 
 
 def offloaded(model, device: torch.device, compress: bool):
-    """`model` offloaded with every block streamed through two slots."""
-    cost = prepare(model, gpu_memory=2**40, device=device).cost
-    placement = placement_of(cost, tuple(range(len(cost.block_bytes))), 2)
-    # compressed groups need landing buffers beside the slots: the budget is the planner's business,
-    # the placement is forced
-    budget = placement.gpu_bytes * 2 if compress else placement.gpu_bytes
-    return ws.offload(model, gpu_memory=budget, device=device, placement=placement, compress=compress)
+    """`model` offloaded with every block streamed through two slots (compressed: with a landing buffer
+    per slot)."""
+    cost = prepare(model, gpu_memory=2**40, device=device, compress=compress).cost
+    blocks = tuple(range(len(cost.block_bytes)))
+    # None where no group would shrink (the tiny config): then it streams raw, and the log says so
+    placement = placement_of(cost, blocks, 2, compressed=compress) or placement_of(cost, blocks, 2)
+    return ws.offload(model, gpu_memory=placement.gpu_bytes, device=device, placement=placement,
+                      compress=compress)
 
 
 def main() -> None:
@@ -53,12 +54,17 @@ def main() -> None:
     parser.add_argument("--double", type=int, default=2, help="double-stream blocks (Flux.1-dev: 19)")
     parser.add_argument("--single", type=int, default=4, help="single-stream blocks (Flux.1-dev: 38)")
     parser.add_argument("--tiny", action="store_true", help="the tiny Flux config on the CPU (a smoke run)")
+    parser.add_argument("--deterministic", action="store_true",
+                        help="Inductor's deterministic mode: no on-device benchmarking of kernel configs "
+                             "that changes numerics (torch._inductor.config.deterministic)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     device = torch.device("cpu" if args.tiny else "cuda")
     fields = dict(TINY_FLUX if args.tiny else FLUX_DEV, num_layers=args.double, num_single_layers=args.single)
     torch._inductor.config.emulate_precision_casts = True
+    if args.deterministic:
+        torch._inductor.config.deterministic = True
     kind = Diffusion(fields)
     ref = kind.build(fields, device, seed=0)
     image, text = fields["input_image_tokens"], fields["input_text_tokens"]
@@ -70,7 +76,8 @@ def main() -> None:
         handles[name] = offloaded(models[name], device, compress)
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     lines = [f"# {' '.join(sys.argv)}", f"# {gpu}, torch {torch.__version__}; {args.double} double + "
-             f"{args.single} single blocks, {image} + {text} tokens, bf16"]
+             f"{args.single} single blocks, {image} + {text} tokens, bf16; Inductor deterministic "
+             f"{torch._inductor.config.deterministic}"]
     doc = {}
     for name, handle in handles.items():
         s = handle.stats
@@ -107,9 +114,11 @@ def main() -> None:
         handle.restore()
     text_out = "\n".join(lines)
     print(text_out)
-    stem = "diag_flux_compile" + ("_tiny" if args.tiny else "")
+    stem = "diag_flux_compile" + ("_deterministic" if args.deterministic else "")
+    stem += "_tiny" if args.tiny else ""
     (out / f"{stem}.log").write_text(text_out + "\n")
-    (out / f"{stem}.json").write_text(json.dumps(dict(command=" ".join(sys.argv), **doc), indent=1))
+    doc = dict(command=" ".join(sys.argv), deterministic=args.deterministic, **doc)
+    (out / f"{stem}.json").write_text(json.dumps(doc, indent=1))
 
 
 if __name__ == "__main__":
