@@ -127,3 +127,24 @@ def test_the_graph_eager_mode_is_explained_only_where_it_appears(bench_doc, tmp_
     bench_doc["results"][0]["mode"] = "graph-eager"
     write_json(bench_doc, path)
     assert report.GRAPH_EAGER_NOTE in report.write_benchmarks_md([path], str(tmp_path / "b.md"))
+
+
+def test_compressed_rows_are_compared_with_raw_streaming_in_their_own_mode(bench_doc):
+    doc = bench_doc
+
+    def row(method, mode, ms, wire_ratio, budget=500):
+        return {**doc["results"][0], "method": method, "phase": "decode-b1", "mode": mode, "median_ms": ms,
+                "ratio": None, "link_bound_ms": None, "error": None, "skipped": None, "budget_bytes": budget,
+                "wire_ratio": wire_ratio}
+
+    rows = [row("ws-auto", "compiled", 80.0, 0.7), row("ws-auto-compress", "eager", 120.0, 0.7),
+            row("ws-auto-raw", "eager", 100.0, 1.0), row("ws-auto-compress", "graph", 90.0, 0.7),
+            row("ws-auto-compress", "compiled", 80.0, 0.7)]
+    lines = [x for x in report.bar_lines([{**doc, "results": rows, "weight_bytes": 2000}])
+             if "ws-auto-compress" in x]
+    assert len(lines) == 3, lines
+    eager, compiled, graph = (next(x for x in lines if f"(ws-auto-compress {m})" in x)
+                              for m in ("eager", "compiled", "graph"))
+    assert "vs ws-auto-raw 100.0 ms, wire ratio 1.000: **0.83x**" in eager  # never the compiled ws-auto
+    assert "vs ws-auto 80.0 ms, wire ratio 0.700: **1.00x**" in compiled  # ws-auto compressed as well
+    assert "no ws-auto-raw or ws-auto run in graph mode" in graph

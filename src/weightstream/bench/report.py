@@ -186,16 +186,28 @@ def bar_lines(docs: list[dict]) -> list[str]:
 
 
 def _compress_lines(measured: list[dict], auto: dict, where: str) -> list[str]:
-    """`ws-auto-compress` (its fastest mode) against `ws-auto` at the same budget and phase, and against
-    its link bound from wire bytes; nothing where it was not measured."""
-    coded = _best(measured, ("ws-auto-compress",), auto["budget_bytes"])
-    if coded is None or coded["budget_bytes"] != auto["budget_bytes"]:
-        return []
-    bound = (f"; {coded['ratio']:.3f}x its link bound from wire bytes ({coded['link_bound_ms']:.1f} ms)"
-             if coded.get("ratio") is not None else "")
-    return [f"- {where}: ws-auto-compress {_label(coded)} vs ws-auto {_label(auto)}: "
-            f"**{auto['median_ms'] / coded['median_ms']:.2f}x**, wire ratio "
-            f"{fmt(coded.get('wire_ratio'), 3)}{bound}"]
+    """`ws-auto-compress` against raw streaming at the same budget and phase, mode by mode: against
+    `ws-auto-raw` in the same mode, else `ws-auto` in the same mode (which may itself have compressed:
+    its wire ratio says), and against its link bound from wire bytes; nothing where it was not
+    measured. Modes are never compared with each other."""
+    lines = []
+    budget = auto["budget_bytes"]
+    coded_rows = [r for r in measured if r["method"] == "ws-auto-compress" and r["budget_bytes"] == budget]
+    for coded in sorted(coded_rows, key=lambda r: r["mode"]):
+        same_mode = [r for r in measured if r["mode"] == coded["mode"] and r["budget_bytes"] == budget]
+        raw = _best(same_mode, ("ws-auto-raw",), budget) or _best(same_mode, ("ws-auto",), budget)
+        bound = (f"; {coded['ratio']:.3f}x its link bound from wire bytes ({coded['link_bound_ms']:.1f} ms)"
+                 if coded.get("ratio") is not None else "")
+        if raw is None:
+            versus = f"no ws-auto-raw or ws-auto run in {coded['mode']} mode to compare with"
+        else:
+            own = raw.get("wire_ratio")
+            streamed = "" if own is None else f", wire ratio {own:.3f}"
+            versus = (f"vs {raw['method']} {raw['median_ms']:.1f} ms{streamed}: "
+                      f"**{raw['median_ms'] / coded['median_ms']:.2f}x**")
+        lines.append(f"- {where}: ws-auto-compress {_label(coded)}, wire ratio "
+                     f"{fmt(coded.get('wire_ratio'), 3)}, {versus}{bound}")
+    return lines
 
 
 def write_benchmarks_md(result_paths: list[str], md_path: str, images: list[str] = ()) -> str:
