@@ -2,15 +2,16 @@
 
 docs/exactness.md names one cause: Inductor fuses an op at the end of one block with the start of the
 next in the resident graph, and weightstream's ops sit on that edge, so the offloaded graph cannot
-fuse there. This checks that it is the only cause, at Flux.1-dev's width and its 1024x1024 token count
+fuse there. This separates that cause from others, at Flux.1-dev's width and its 1024x1024 token count
 (4096 image + 512 text tokens), with fewer blocks so each compile takes seconds, not minutes:
 
-  - eager: resident, resident with the (idle) ops on every block edge, offloaded raw, offloaded
-    compressed: all four must be equal;
-  - compiled (fullgraph, `emulate_precision_casts` on): the same four. The offloaded ones are compared
-    with the resident model (what users see) and with the resident model with the ops on the same
-    edges (the same graph, fused the same way). Equal to the second and not to the first means the
-    difference is the fusion edge and not the bytes that were streamed.
+  - eager: resident, resident with the (idle) ops on every block edge (also with its weights
+    packed, below), offloaded raw, offloaded compressed: all must be equal;
+  - compiled (fullgraph, `emulate_precision_casts` on): the same, each compared with the resident
+    model (what users see), with the resident model with the ops on the same edges (the same graph,
+    fused the same way) and with that model's weights packed into one buffer per block at a slot's
+    offsets ("packed": where the weights live, as offloaded). Equal to the second and not to the
+    first means the difference is the fusion edge; equal to the third only, where the weights live.
 
 Every block streams through two slots (a forced placement, so no profile decides it).
 
@@ -35,6 +36,24 @@ from weightstream.bench.diffusion import FLUX_DEV, TINY_FLUX, Diffusion
 from weightstream.bench.phases import Phase
 from weightstream.plan import placement_of
 from weightstream.prepare import prepare
+
+
+def packed(model):
+    """`model` (resident) with each block's parameters and buffers moved into one buffer per block, at
+    the aligned offsets a slot would give them (`layout.pack`): the weights' memory laid out as
+    offloaded, each block in memory of its own (slots are shared by blocks two apart)."""
+    from weightstream.blocks import find_blocks
+    from weightstream.layout import pack
+
+    for block in find_blocks(model):
+        tensors = [*block.module.parameters(), *block.module.buffers()]
+        slices, total = pack([t.numel() * t.element_size() for t in tensors])
+        buffer = torch.empty(total, dtype=torch.uint8, device=tensors[0].device)
+        for t, piece in zip(tensors, slices, strict=True):
+            view = buffer[piece.offset: piece.offset + piece.nbytes].view(t.dtype).view(t.shape)
+            view.copy_(t)
+            t.data = view
+    return model
 
 
 def offloaded(model, device: torch.device, compress: bool):
@@ -69,7 +88,8 @@ def main() -> None:
     ref = kind.build(fields, device, seed=0)
     image, text = fields["input_image_tokens"], fields["input_text_tokens"]
     x = kind.inputs(ref, [Phase("denoise-b1", 1, image + text)], device, seed=0)["denoise-b1"]
-    models = {"resident": ref, "resident+ops": with_boundaries(copy.deepcopy(ref))}
+    models = {"resident": ref, "resident+ops": with_boundaries(copy.deepcopy(ref)),
+              "resident+ops packed": with_boundaries(packed(copy.deepcopy(ref)))}
     handles = {}
     for name, compress in (("offloaded raw", False), ("offloaded compressed", True)):
         models[name] = copy.deepcopy(ref)
@@ -102,9 +122,9 @@ def main() -> None:
         return (outputs[a].float() - outputs[b].float()).abs().max().item()
 
     for mode in ("eager", "compiled"):
-        for name in ("resident+ops", "offloaded raw", "offloaded compressed"):
-            for against in ("resident", "resident+ops"):
-                if name == against:
+        for name in ("resident+ops", "resident+ops packed", "offloaded raw", "offloaded compressed"):
+            for against in ("resident", "resident+ops", "resident+ops packed"):
+                if name == against or (name, against) == ("resident+ops", "resident+ops packed"):
                     continue
                 equal = torch.equal(outputs[(mode, name)], outputs[(mode, against)])
                 doc[f"{mode}: {name} == {against}"] = equal
