@@ -99,8 +99,8 @@ def store_timeline(doc: dict, row, model, call: Callable[[], torch.Tensor]) -> N
         log(f"timeline of {row.method} {row.phase}: {first_line(exc)}")
         return
     if events:
+        figures = summary(events)
         doc["timelines"].append({"method": row.method, "phase": row.phase, "mode": row.mode,
-                                 "budget_bytes": row.budget_bytes, "events": events,
-                                 "summary": summary(events)})
-        figures = ", ".join(f"{k} {v:.1f}" for k, v in summary(events).items())
-        log(f"timeline of {row.method} {row.phase} {row.mode}: {figures}")
+                                 "budget_bytes": row.budget_bytes, "events": events, "summary": figures})
+        log(f"timeline of {row.method} {row.phase} {row.mode}: "
+            + ", ".join(f"{k} {v:.1f}" for k, v in figures.items()))
