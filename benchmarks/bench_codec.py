@@ -2,7 +2,8 @@
 
 For each budget (every decoder layer streamed; 25% of the weights) and each wire format (raw,
 compressed), one forward `model(ids, use_cache=False).logits` per phase: batch-1 decode (eager, and
-replayed from a CUDA graph of the eager forward; --compiled adds torch.compile + CUDA graph),
+replayed from a CUDA graph of the eager forward; --compiled adds torch.compile + CUDA graph, with
+Inductor's emulate_precision_casts on for every model, docs/exactness.md says why),
 batch-64 decode and 2048-token prefill (eager). Times are CUDA-event medians after warm-up
 (timing.py); every output is checked with torch.equal against the resident model run the same way.
 Reports the wire ratio, the decoder's throughput (standalone kernel timing, GB/s of decoded bytes)
@@ -120,6 +121,8 @@ def main() -> None:
     parser.add_argument("--compiled", action="store_true", help="also torch.compile + CUDA graph (slow)")
     parser.add_argument("--eager", action="store_true", help="eager only (no CUDA graph)")
     args = parser.parse_args()
+    if args.compiled:  # compiled bf16 is bit-identical only with Inductor rounding as eager does
+        torch._inductor.config.emulate_precision_casts = True
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = f"codec_{args.shape}" + (f"_{args.layers}l" if args.layers else "")
