@@ -21,7 +21,7 @@ from torch import nn
 import weightstream as ws
 from weightstream import replay
 from weightstream.offload import prepare
-from weightstream.plan import placement_of
+from weightstream.plan import landing_options, placement_of
 
 DIM = 8
 N_BLOCKS = 5
@@ -30,12 +30,12 @@ N_BLOCKS = 5
 class OneStreamBlock(nn.Module):
     """x -> x: a transformer-like block with a streamed buffer and a resident non-persistent one."""
 
-    def __init__(self) -> None:
+    def __init__(self, dim: int = DIM) -> None:
         super().__init__()
-        self.fc = nn.Linear(DIM, DIM)
-        self.out = nn.Linear(DIM, DIM, bias=False)
-        self.register_buffer("scale", torch.rand(DIM))
-        self.register_buffer("cache", torch.zeros(DIM), persistent=False)
+        self.fc = nn.Linear(dim, dim)
+        self.out = nn.Linear(dim, dim, bias=False)
+        self.register_buffer("scale", torch.rand(dim))
+        self.register_buffer("cache", torch.zeros(dim), persistent=False)
         self.fail = False
 
     def forward(self, x):
@@ -49,11 +49,11 @@ class TwoStreamBlock(nn.Module):
     """(x, context, temb=) -> (context, x): a diffusion-transformer-like block that reads weights on
     its text stream and its time-embedding modulation too, and returns both streams."""
 
-    def __init__(self) -> None:
+    def __init__(self, dim: int = DIM) -> None:
         super().__init__()
-        self.x_proj = nn.Linear(DIM, DIM)
-        self.c_proj = nn.Linear(DIM, DIM)
-        self.mod = nn.Linear(DIM, 2 * DIM)
+        self.x_proj = nn.Linear(dim, dim)
+        self.c_proj = nn.Linear(dim, dim)
+        self.mod = nn.Linear(dim, 2 * dim)
         self.fail = False
 
     def forward(self, x, context, *, temb):
@@ -65,14 +65,16 @@ class TwoStreamBlock(nn.Module):
 
 
 class Model(nn.Module):
-    """A stem, N blocks run in `self.order`, a head; `kind` picks the block signature."""
+    """A stem, N blocks run in `self.order`, a head; `kind` picks the block signature, `dim` the
+    width (wide enough in bf16 and its groups compress)."""
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, dim: int = DIM) -> None:
         super().__init__()
         self.kind = kind
-        self.stem = nn.Linear(DIM, DIM)
+        self.dim = dim
+        self.stem = nn.Linear(dim, dim)
         block = OneStreamBlock if kind == "one" else TwoStreamBlock
-        self.layers = nn.ModuleList(block() for _ in range(N_BLOCKS))
+        self.layers = nn.ModuleList(block(dim) for _ in range(N_BLOCKS))
         self.order = list(range(N_BLOCKS))
 
     def run_block(self, i: int, state: dict) -> dict:
@@ -95,23 +97,41 @@ class Model(nn.Module):
         return sum(v.sum(0) for v in state.values())
 
 
-def twin(kind: str, seed: int = 0):
+CODED_DIM = 128  # bf16 blocks this wide compress (the codec's chunks are 2560 values)
+
+
+def twin(kind: str, seed: int = 0, coded: bool = False):
+    """(reference, copy to offload); `coded`: bf16 and CODED_DIM wide, so groups can stream compressed."""
     torch.manual_seed(seed)
-    ref = Model(kind).eval().requires_grad_(False)
+    ref = Model(kind, CODED_DIM if coded else DIM).eval().requires_grad_(False)
+    if coded:
+        ref = ref.to(torch.bfloat16)
     return ref, copy.deepcopy(ref)
 
 
-def forced(model: nn.Module, streamed, n_slots: int, uva=(), part: int = 0) -> ws.OffloadHandle:
-    """Offload on the CPU backend with exactly this placement."""
-    cost = prepare(model, gpu_memory=2**40, device="cpu").cost
-    placement = placement_of(cost, tuple(streamed), n_slots, tuple(uva), part)
+def forced(model: nn.Module, streamed, n_slots: int, uva=(), part: int = 0,
+           landing: int | None = None) -> ws.OffloadHandle:
+    """Offload on the CPU backend with exactly this placement; `landing`: compressed, through that
+    many landing buffers."""
+    cost = prepare(model, gpu_memory=2**40, device="cpu", compress=landing is not None).cost
+    placement = placement_of(cost, tuple(streamed), n_slots, tuple(uva), part,
+                             compressed=landing is not None, landing_buffers=landing)
+    assert placement is not None and placement.n_landing == (landing or 0)
     return ws.offload(model, gpu_memory=placement.gpu_bytes, device="cpu", placement=placement)
 
 
 def simulate_replay(handle, garbage: bool, seed: int, notify: bool = True) -> None:
-    """What a CUDA graph replay does to the engine: each slot ends holding bytes the host did not put
-    there (another group's, or noise), and the wrapped replay calls replay.notify()."""
+    """What a CUDA graph replay does to the engine: each slot (and landing buffer) ends holding bytes
+    the host did not put there (another group's, or noise), and the wrapped replay calls
+    replay.notify()."""
     gen = torch.Generator().manual_seed(seed)
+    for buffer in getattr(handle._transfer, "landing", []):
+        if garbage:
+            buffer.copy_(torch.randint(0, 256, buffer.shape, dtype=torch.uint8, generator=gen))
+        else:
+            g = int(torch.randint(0, handle.stats.groups, (1,), generator=gen))
+            blob = handle._arena.region(g)[: buffer.numel()]
+            buffer[: blob.numel()].copy_(blob)
     for slot in handle._slots:
         if garbage:
             slot.copy_(torch.randint(0, 256, slot.shape, dtype=torch.uint8, generator=gen))
@@ -133,6 +153,15 @@ def placements(draw):
     return sorted(streamed), n_slots, sorted(uva), part
 
 
+@st.composite
+def coded_placements(draw):
+    """Compressed placements: every block streamed (whole), one or two slots, each landing option."""
+    streamed = draw(st.lists(st.integers(0, N_BLOCKS - 1), min_size=2, max_size=N_BLOCKS, unique=True))
+    n_slots = draw(st.integers(1, 2))
+    landing = draw(st.sampled_from(landing_options(n_slots, len(streamed))))
+    return sorted(streamed), n_slots, landing
+
+
 ACTIONS = st.one_of(
     st.tuples(st.just("forward")),
     st.tuples(st.just("partial"), st.integers(0, N_BLOCKS), st.integers(0, N_BLOCKS)),
@@ -146,7 +175,7 @@ ACTIONS = st.one_of(
 
 def run_action(action, ref: Model, model: Model, handle, step: int) -> None:
     """Run one action on both models; assert the offloaded output equals the resident one."""
-    inp = torch.randn(3, DIM, generator=torch.Generator().manual_seed(step))
+    inp = torch.randn(3, model.dim, generator=torch.Generator().manual_seed(step)).to(model.stem.weight.dtype)
     kind = action[0]
     if kind == "replay":
         simulate_replay(handle, action[1], step)
@@ -187,6 +216,48 @@ def test_every_call_order_is_exact(kind, placement, actions):
             run_action(action, ref, model, handle, step)
         run_action(("forward",), ref, model, handle, len(actions))  # and an ordinary forward after all
     handle.restore()
+
+
+@pytest.mark.parametrize("kind", ["one", "two"])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(placement=coded_placements(), actions=st.lists(ACTIONS, min_size=1, max_size=10))
+def test_every_call_order_is_exact_compressed(kind, placement, actions):
+    """The same with compressed groups: blobs land in landing buffers (one group ahead of the slot
+    where one slot has two), whose bookkeeping a replay must reset like the slots'."""
+    ref, model = twin(kind, coded=True)
+    streamed, n_slots, landing = placement
+    handle = forced(model, streamed, n_slots, landing=landing)
+    assert handle.stats.wire_bytes < handle.stats.wire_raw_bytes  # the groups really are compressed
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step, action in enumerate(actions):
+            run_action(action, ref, model, handle, step)
+        run_action(("forward",), ref, model, handle, len(actions))
+    handle.restore()
+
+
+def test_one_slot_copies_the_next_compressed_group_ahead_and_a_replay_resets_it():
+    """With one slot and two landing buffers the blob of the group after next is already in its
+    landing buffer when the slot is released; a replay that overwrites the buffers (notified) must
+    not leave the engine decoding stale bytes, and unnotified it would (so the fuzzer can see it)."""
+    ref, model = twin("one", coded=True)
+    handle = forced(model, range(N_BLOCKS), 1, landing=2)
+    landings = handle._transfer.landings
+    x = torch.randn(3, CODED_DIM).to(torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(model(x), ref(x))
+        assert landings.held == [4, 3]  # N_BLOCKS = 5: 3 copied ahead of 4, both still held
+        state = ref.start(x)
+        assert torch.equal(model.run_block(0, state)["x"], ref.run_block(0, state)["x"])
+        # block 0 landed and block 1 ahead of it; block 0's release decoded 1 and copied 2 ahead
+        assert landings.held == [2, 1]
+        blob = handle._arena.region(3)
+        handle._transfer.landing[1][: blob.numel()].copy_(blob)  # a replay left block 3's blob there
+        handle._schedule.invalidate()  # as if only the slots were forgotten: block 1's blob trusted
+        assert not torch.equal(model.run_block(1, state)["x"], ref.run_block(1, state)["x"])
+        simulate_replay(handle, garbage=True, seed=1, notify=True)
+        assert landings.held == [None, None]
+        assert torch.equal(model.run_block(1, state)["x"], ref.run_block(1, state)["x"])
 
 
 def test_the_fuzzers_replay_finds_stale_weights_when_replays_go_unseen():

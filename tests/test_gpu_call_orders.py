@@ -11,7 +11,7 @@ import warnings
 import pytest
 import torch
 from conftest import with_boundaries
-from test_call_orders import N_BLOCKS, Model
+from test_call_orders import CODED_DIM, DIM, N_BLOCKS, Model
 
 import weightstream as ws
 from weightstream.offload import prepare
@@ -21,19 +21,24 @@ from weightstream.timing import capture_graph
 pytestmark = pytest.mark.gpu
 
 
-def gpu_twin(kind: str, edges: bool = False):
-    """(reference, copy to offload) in bf16 on the GPU. With `edges` the reference has the (idle)
-    schedule ops at its block edges, as the compiled references must: Inductor fuses a bf16 block's
-    last op with the next block's first in the resident graph (docs/exactness.md)."""
+def gpu_twin(kind: str, edges: bool = False, coded: bool = False):
+    """(reference, copy to offload) in bf16 on the GPU (`coded`: wide enough that groups compress).
+    With `edges` the reference has the (idle) schedule ops at its block edges, as the compiled
+    references must: Inductor fuses a bf16 block's last op with the next block's first in the
+    resident graph (docs/exactness.md)."""
     torch.manual_seed(0)
-    ref = Model(kind).eval().requires_grad_(False).to("cuda", torch.bfloat16)
+    ref = Model(kind, CODED_DIM if coded else DIM).eval().requires_grad_(False).to("cuda", torch.bfloat16)
     model = copy.deepcopy(ref)
     return (with_boundaries(ref) if edges else ref), model
 
 
-def forced(model, n_slots: int):
-    cost = prepare(model, gpu_memory=2**40).cost
-    placement = placement_of(cost, tuple(range(N_BLOCKS)), n_slots)
+def forced(model, n_slots: int, landing: int | None = None):
+    """Offload with every block streamed through `n_slots` slots; `landing`: compressed, through that
+    many landing buffers."""
+    cost = prepare(model, gpu_memory=2**40, compress=landing is not None).cost
+    placement = placement_of(cost, tuple(range(N_BLOCKS)), n_slots, compressed=landing is not None,
+                             landing_buffers=landing)
+    assert placement is not None and placement.n_landing == (landing or 0)
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     handle = ws.offload(model, gpu_memory=placement.gpu_bytes, placement=placement)
@@ -43,14 +48,14 @@ def forced(model, n_slots: int):
     return handle
 
 
-def inp(seed: int) -> torch.Tensor:
+def inp(seed: int, dim: int = DIM) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
-    return torch.randn(3, 8, generator=gen).to("cuda", torch.bfloat16)
+    return torch.randn(3, dim, generator=gen).to("cuda", torch.bfloat16)
 
 
 def eager_steps(ref, model, step: int) -> None:
     """Between replays: a block alone, a partial forward, a block that raises, a whole forward."""
-    x = inp(100 + step)
+    x = inp(100 + step, model.dim)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         state = ref.start(x)
@@ -68,21 +73,26 @@ def eager_steps(ref, model, step: int) -> None:
 
 
 @pytest.mark.parametrize("compiled", [False, True])
-@pytest.mark.parametrize("n_slots", [1, 2])
+@pytest.mark.parametrize(("n_slots", "landing"), [(1, None), (2, None), (1, 1), (1, 2), (2, 2)])
 @pytest.mark.parametrize("kind", ["one", "two"])
-def test_graph_replays_interleaved_with_eager_calls_are_exact(kind, n_slots, compiled):
-    ref, model = gpu_twin(kind, edges=compiled)
-    handle = forced(model, n_slots)
+def test_graph_replays_interleaved_with_eager_calls_are_exact(kind, n_slots, landing, compiled):
+    """landing None: raw groups; else compressed, through that many landing buffers (with one slot and
+    two, the next group's blob is copied ahead, also inside the captured graph)."""
+    ref, model = gpu_twin(kind, edges=compiled, coded=landing is not None)
+    handle = forced(model, n_slots, landing)
+    if landing is not None:
+        assert handle.stats.wire_bytes < handle.stats.wire_raw_bytes
     fref, fmodel = ref, model
     if compiled:
         torch._dynamo.reset()
         fref, fmodel = torch.compile(ref, fullgraph=True), torch.compile(model, fullgraph=True)
     with torch.no_grad():
         eager_steps(ref, model, 0)  # the capture starts from a state eager calls left
-        replay_ref, replay_model = capture_graph(fref, inp(0)), capture_graph(fmodel, inp(0))
+        x = inp(0, model.dim)
+        replay_ref, replay_model = capture_graph(fref, x), capture_graph(fmodel, x)
     for step in range(1, 6):
-        replay_ref.static_in.copy_(inp(step))
-        replay_model.static_in.copy_(inp(step))
+        replay_ref.static_in.copy_(inp(step, model.dim))
+        replay_model.static_in.copy_(inp(step, model.dim))
         out_ref, out_model = replay_ref(), replay_model()
         torch.cuda.synchronize()
         assert torch.equal(out_model, out_ref), f"replay {step}"

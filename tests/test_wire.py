@@ -13,7 +13,7 @@ from conftest import ARCHS, make_model, state_copy, weight_bytes
 
 import weightstream as ws
 from weightstream.cost import ModelCost, predict
-from weightstream.plan import plan
+from weightstream.plan import placement_of, plan
 from weightstream.probe import H200
 
 
@@ -38,8 +38,8 @@ def test_compressed_streaming_is_bit_identical(arch, dtype):
     stats = handle.stats
     assert handle.placement.gpu_bytes <= budget
     assert stats.pinned_bytes == 0 and stats.misses == 0 and stats.copies == 2 * stats.groups
-    assert handle.placement.staging_bytes == stats.slots * (handle.placement.slot_bytes
-                                                             + handle.placement.landing_bytes)
+    p = handle.placement
+    assert p.staging_bytes == stats.slots * p.slot_bytes + p.n_landing * p.landing_bytes
     assert "ratio" in str(stats)
     if dtype == torch.bfloat16:  # tiny fp16 blocks (about 0.93 of their bytes) may not pay: raw then
         assert handle.placement.compressed
@@ -107,6 +107,31 @@ def test_cost_model_and_planner_weigh_compression():
     slow_decode = type(H200)(**{**H200.__dict__, "decode_s_per_byte": 1 / 5e9})  # slower than the link
     assert not plan(model, budget, 1, slow_decode, "stream", compress="auto").compressed
     assert not plan(_cost(0.99), budget, 1, H200, "stream", compress="auto").compressed
+
+
+def test_one_slot_with_two_landing_buffers_keeps_the_link_busy():
+    """One slot, compressed: with one landing buffer each group's copy waits for the last decode and
+    compute, with two the next group lands meanwhile (link-bound again, at one slot less than two
+    slots); the planner takes it where the slot it saves keeps more blocks resident."""
+    model = _cost(0.71)
+    streamed = tuple(range(8))
+    link_ms = H200.copy_seconds(sum(model.wire_bytes(b) for b in streamed)) * 1e3
+    ahead = predict(model, streamed, 1, (), 1, H200, compressed=True, n_landing=2)
+    serial = predict(model, streamed, 1, (), 1, H200, compressed=True, n_landing=1)
+    two_slots = predict(model, streamed, 2, (), 1, H200, compressed=True)
+    assert ahead.ms < 1.1 * link_ms and ahead.ms < 0.9 * serial.ms
+    assert ahead.ms == pytest.approx(two_slots.ms, rel=0.05)
+    one = placement_of(model, streamed, 1, compressed=True)
+    two = placement_of(model, streamed, 2, compressed=True)
+    assert (one.n_landing, two.n_landing) == (2, 2)
+    assert two.staging_bytes - one.staging_bytes == one.slot_bytes
+    assert placement_of(model, streamed, 1, compressed=True, landing_buffers=1).n_landing == 1
+    with pytest.raises(ValueError, match="landing_buffers=3"):
+        placement_of(model, streamed, 1, compressed=True, landing_buffers=3)
+    # a budget with room for two landing buffers and one slot, not two slots: all 8 blocks stream
+    budget = model.fixed_bytes + one.staging_bytes + (1 << 20)
+    got = plan(model, budget, 1, H200, "stream", compress=True)
+    assert (got.n_slots, got.n_landing, len(got.streamed)) == (1, 2, 8)
 
 
 # --- on a GPU: copy stream, landing buffers, decode stream, graphs ------------------------------------

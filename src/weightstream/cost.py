@@ -120,28 +120,43 @@ def predict(
     profile: MachineProfile,
     part: int = 0,
     compressed: bool = False,
+    n_landing: int | None = None,
 ) -> Prediction:
     """Predict one forward of `tokens` tokens with blocks `streamed` (through `n_slots` slots; each
     streams its `part` largest tensors, 0: all of it) and `uva` (zero copy), the rest resident.
-    compressed: copies move each group's predicted wire bytes, then a decode on its own stream (one
-    after another, at the profile's decode rate) fills the slot; compute waits for the decode."""
+    compressed: copies move each group's predicted wire bytes into a landing buffer, then a decode on
+    its own stream (one after another, at the profile's decode rate) fills the slot; compute waits for
+    the decode. With one slot (and two landing buffers) the next group lands while the current one
+    decodes and computes, and is decoded into the slot once the slot is released, where there are two
+    landing buffers (`n_landing`; None: two)."""
     group_of = {block: g for g, block in enumerate(streamed)}
     extra = profile.block_extra_seconds(model.width, tokens)  # every block, wherever its weights are
     uva_set = set(uva)
-    done: dict[int, float] = {}  # group -> time its copy has landed
+    landed: dict[int, float] = {}  # group -> time its bytes have crossed the link
+    done: dict[int, float] = {}  # group -> time its slot holds it (decoded where compressed)
     compute = copy = decode = 0.0
     link = 0.0
+    n = len(streamed)
+    ahead = compressed and n_slots == 1 and n > 1 and n_landing != 1  # landing runs a group ahead
 
-    def start_copy(group: int, not_before: float) -> None:
-        nonlocal copy, link, decode
+    def land(group: int, not_before: float) -> None:
+        nonlocal copy, link
         raw = model.streamed_bytes(streamed[group], part)
         seconds = profile.copy_seconds(model.wire_bytes(streamed[group], part) if compressed else raw)
         copy = max(copy, not_before) + seconds
         link += seconds
-        done[group] = copy
+        landed[group] = done[group] = copy
+
+    def decode_into(group: int, not_before: float) -> None:
+        nonlocal decode
+        decode = max(decode, landed[group], not_before)
+        decode += profile.decode_seconds(model.streamed_bytes(streamed[group], part))
+        done[group] = decode
+
+    def start_copy(group: int, not_before: float) -> None:
+        land(group, not_before)
         if compressed:
-            decode = max(decode, copy) + profile.decode_seconds(raw)
-            done[group] = decode
+            decode_into(group, not_before)
 
     def gemm_seconds(rate, block: int) -> float:
         return sum(rate(nbytes, m) for nbytes, m in model.reads(block, tokens))
@@ -155,12 +170,18 @@ def predict(
             continue
         g = group_of.get(block)
         if g == 0:
-            for first in range(min(n_slots, len(streamed))):
+            for first in range(min(n_slots, n)):
                 start_copy(first, compute)  # the prologue, issued when the forward reaches group 0
+            if ahead:
+                land(1, compute)
         if g is not None:
             compute = max(compute, done[g])
         compute += model.resident_seconds(block, tokens, profile) + extra
-        if g is not None and g + n_slots < len(streamed):
+        if g is not None and ahead and g + 1 < n:  # released: decode the landed group, land the next
+            decode_into(g + 1, compute)
+            if g + 2 < n:
+                land(g + 2, compute)
+        elif g is not None and g + n_slots < n:
             start_copy(g + n_slots, compute)  # released: the next group of this slot
     compute += profile.resident_seconds(model.head_bytes, tokens)
     resident = sum(model.resident_seconds(b, tokens, profile) + extra for b in range(len(model.block_bytes)))

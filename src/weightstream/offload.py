@@ -133,7 +133,7 @@ class OffloadHandle:
         self._wire = prep.wire or [None] * len(prep.groups)
         self._group_bytes = prep.group_bytes
         self._transfer = make_transfer(arena, slots, prep.device, disk, pin, prep.wire,
-                                       prep.placement.landing_bytes)
+                                       prep.placement.landing_bytes, prep.placement.n_landing)
         self._warned = False
         self._capturing = False  # whether the last op ran inside a CUDA graph capture
         self._lock = threading.Lock()
@@ -153,10 +153,10 @@ class OffloadHandle:
             capturing = self._transfer.capturing()
             if capturing != self._capturing:  # a capture began or ended: its copies ran not / not yet
                 self._capturing = capturing
-                self._schedule.invalidate()
+                self._invalidate()
             plan = self._schedule.on_wait(group, capturing)
             for slot, g in plan.copies:
-                self._transfer.start_copy(slot, g)
+                self._transfer.start_copy(slot, g, self._schedule.after(g, capturing))
             self._transfer.wait(plan.slot)
             if plan.miss and not self._warned:
                 self._warned = True
@@ -167,7 +167,7 @@ class OffloadHandle:
                     stacklevel=2,
                 )
         except BaseException:
-            self._schedule.invalidate()  # copies may have been half started
+            self._invalidate()  # copies may have been half started
             self._leave()
             raise
 
@@ -175,7 +175,7 @@ class OffloadHandle:
         """After group `group` computed: start the copy of the next group that uses its slot."""
         plan = self._schedule.on_release(group, self._capturing)
         if plan.copy is not None:
-            self._transfer.start_copy(*plan.copy)
+            self._transfer.start_copy(*plan.copy, self._schedule.after(plan.copy[1], self._capturing))
         if plan.join:
             self._transfer.join()
         self._leave()
@@ -189,7 +189,12 @@ class OffloadHandle:
         """A CUDA graph capture begins or ends, or a replay starts (`replay.py`): join the copies in
         flight and forget what the slots hold."""
         self._transfer.join_for_graph()
+        self._invalidate()
+
+    def _invalidate(self) -> None:
+        """Forget what the slots and landing buffers hold."""
         self._schedule.invalidate()
+        self._transfer.forget()
 
     def _enter(self) -> None:
         """Serialize blocks across threads: two threads' blocks never interleave inside one block."""

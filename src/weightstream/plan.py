@@ -47,7 +47,8 @@ class Placement:
     prediction: Prediction | None = None
     part: int = 0  # each streamed block streams its `part` largest tensors (cost.largest); 0: all of it
     requested_strategy: str = "auto"
-    landing_bytes: int = 0  # compressed groups: each slot's GPU landing buffer; 0: groups stream raw
+    landing_bytes: int = 0  # compressed groups: the size of each GPU landing buffer; 0: groups stream raw
+    landing_buffers: int = 0  # how many (0: raw; see n_landing)
 
     @property
     def compressed(self) -> bool:
@@ -55,9 +56,16 @@ class Placement:
         return self.landing_bytes > 0
 
     @property
+    def n_landing(self) -> int:
+        """Landing buffers of compressed groups (0 when they stream raw): group i lands in buffer
+        i % n_landing. One per slot; with one slot, one (the least memory) or two (the next group's
+        bytes land while the current one decodes into the slot and computes)."""
+        return self.landing_buffers if self.compressed else 0
+
+    @property
     def staging_bytes(self) -> int:
         """GPU bytes taken by the staging slots and, for compressed groups, their landing buffers."""
-        return self.n_slots * (self.slot_bytes + self.landing_bytes)
+        return self.n_slots * self.slot_bytes + self.n_landing * self.landing_bytes
 
     @property
     def gpu_bytes(self) -> int:
@@ -74,6 +82,13 @@ class Placement:
         """"resident", "stream", "uva" or "mix": what the placement does with the blocks off the GPU."""
         return {(False, False): "resident", (True, False): "stream", (False, True): "uva"}.get(
             (bool(self.streamed), bool(self.uva)), "mix")
+
+
+def landing_options(n_slots: int, n_groups: int) -> tuple[int, ...]:
+    """How many landing buffers `n_groups` compressed groups through `n_slots` slots may have, the
+    default first: one per slot, or with one slot and two groups or more, two (group i+1 lands while
+    group i decodes and computes) or one."""
+    return (2, 1) if n_slots == 1 and n_groups > 1 else (n_slots,)
 
 
 def host_need(model: ModelCost, streamed: tuple[int, ...], uva: tuple[int, ...], part: int = 0) -> int:
@@ -129,19 +144,26 @@ def placement_of(
     host_bytes: int | None = None,
     strategy: str = "auto",
     compressed: bool = False,
+    landing_buffers: int | None = None,
 ) -> Placement | None:
     """The placement that streams blocks `streamed` through `n_slots` slots (each block's `part`
     largest tensors; 0: all of it) and reads blocks `uva` in place, with its predicted time; None when
     it does not fit `budget` bytes of GPU memory or `host_bytes` of host memory (no limit when None).
-    `strategy` is recorded as the requested one. `compressed`: groups cross the link compressed, with a
-    landing buffer per slot (None where they would not shrink). Tests and tools use it to force a
-    placement."""
+    `strategy` is recorded as the requested one. `compressed`: groups cross the link compressed (None
+    where they would not shrink), through `landing_buffers` landing buffers (one of `landing_options`;
+    None: the first). Tests and tools use it to force a placement."""
     if profile is None:
         from .probe import H200 as profile
     sizes = model.block_bytes
     if bool(streamed) != (n_slots > 0) or set(streamed) & set(uva):
         raise ArgumentError(f"streamed={streamed}, uva={uva}, n_slots={n_slots}: streamed blocks need at "
                             "least one slot, and a block is streamed or read in place, not both")
+    options = landing_options(n_slots, len(streamed))
+    if landing_buffers is None:
+        landing_buffers = options[0]
+    if compressed and landing_buffers not in options:
+        raise ArgumentError(f"landing_buffers={landing_buffers}: with {n_slots} slot(s) and {len(streamed)} "
+                            f"streamed group(s) choose one of {', '.join(map(str, options))}")
     off = set(streamed) | set(uva)
     resident = model.fixed_bytes + sum(b for i, b in enumerate(sizes) if i not in off)
     resident += sum(sizes[i] - model.streamed_bytes(i, part) for i in streamed)
@@ -149,15 +171,17 @@ def placement_of(
     landing = _landing(model, streamed, part) if compressed and streamed else 0
     if landing > 0.95 * slot:
         return None  # groups that would not shrink (they would stream raw)
-    if budget is not None and resident + n_slots * (slot + landing) > budget:
+    n_landing = landing_buffers if landing else 0
+    staging = n_slots * slot + n_landing * landing
+    if budget is not None and resident + staging > budget:
         return None
     if host_bytes is not None and host_need(model, streamed, uva, part) > host_bytes:
         return None
-    prediction = predict(model, streamed, n_slots, uva, tokens, profile, part, bool(landing))
+    prediction = predict(model, streamed, n_slots, uva, tokens, profile, part, bool(landing), n_landing)
     total = model.fixed_bytes + sum(sizes)
     return Placement(tuple(streamed), n_slots, slot, resident, total - resident, tuple(uva),
                      sum(sizes[i] for i in uva), prediction, part, requested_strategy=strategy,
-                     landing_bytes=landing)
+                     landing_bytes=landing, landing_buffers=n_landing)
 
 
 def plan(
@@ -204,10 +228,11 @@ def plan(
     max_part = max((len(t) for t in model.tensor_bytes), default=0)
     for streamed, uva, n_slots, part in _candidates(n, strategy, max_slots, max_part):
         for compressed in options if streamed else (False,):
-            candidate = placement_of(model, streamed, n_slots, uva, part, tokens, profile, budget,
-                                     host_bytes, strategy, compressed)
-            if candidate is not None and better(candidate, best):
-                best = candidate
+            for buffers in landing_options(n_slots, len(streamed)) if compressed else (None,):
+                candidate = placement_of(model, streamed, n_slots, uva, part, tokens, profile, budget,
+                                         host_bytes, strategy, compressed, buffers)
+                if candidate is not None and better(candidate, best):
+                    best = candidate
     if best is not None:
         return best
     if host_bytes is not None:

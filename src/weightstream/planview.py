@@ -31,7 +31,7 @@ def plan_report(model_name: str, gpu_memory: int | str, tokens: int = 1, strateg
                    profile=profile, host_bytes=host_bytes, compress=compress)
     p, cost = prep.placement, prep.cost
     predictions = {
-        name: predict(cost, p.streamed, p.n_slots, p.uva, n, profile, p.part, p.compressed)
+        name: predict(cost, p.streamed, p.n_slots, p.uva, n, profile, p.part, p.compressed, p.n_landing)
         for name, n in (("decode", 1), (f"prefill_{prefill_tokens}", prefill_tokens))
     }
     host_limit = None if host_bytes is None else host_bytes - sum(prep.uva_group_bytes)
@@ -66,11 +66,13 @@ def plan_report(model_name: str, gpu_memory: int | str, tokens: int = 1, strateg
 
 def _wire(cost, p) -> dict:
     """The streamed groups on the link: compressed or raw, predicted wire bytes against their raw
-    bytes, the ratio, and each slot's landing buffer (bytes; 0 when groups stream raw)."""
+    bytes, the ratio, and the landing buffers (how many, and the bytes of each; 0 when groups stream
+    raw)."""
     raw = sum(cost.streamed_bytes(i, p.part) for i in p.streamed)
     wire = sum(cost.wire_bytes(i, p.part) for i in p.streamed) if p.compressed else raw
     return {"compressed": p.compressed, "bytes": wire, "raw_bytes": raw,
-            "ratio": round(wire / raw, 4) if raw else 1.0, "landing_bytes": p.landing_bytes}
+            "ratio": round(wire / raw, 4) if raw else 1.0, "landing_bytes": p.landing_bytes,
+            "landing_buffers": p.n_landing}
 
 
 def format_report(r: dict) -> str:
@@ -91,7 +93,7 @@ def format_report(r: dict) -> str:
            "of it resident" if r["streamed"]["largest_tensors_per_block"] else ""),
         f"{'zero copy':12}{len(r['zero_copy']['blocks']):>8}{size(r['zero_copy']['bytes']):>14}",
         f"on the wire: {size(r['wire']['bytes'])} of {size(r['wire']['raw_bytes'])} streamed per forward, "
-        + (f"compressed (ratio {r['wire']['ratio']:.3f}; landing buffers {r['streamed']['slots']} x "
+        + (f"compressed (ratio {r['wire']['ratio']:.3f}; landing buffers {r['wire']['landing_buffers']} x "
            f"{size(r['wire']['landing_bytes'])}, counted in the GPU memory)"
            if r["wire"]["compressed"] else "raw (ratio 1.000; no landing buffers)"),
         *([f"{'on disk':12}{len(r['disk']['blocks']):>8}{size(r['disk']['bytes']):>14}"

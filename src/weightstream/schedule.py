@@ -123,18 +123,26 @@ class Schedule:
         plan.copies = self._fill(group, capturing)
         return plan
 
+    def after(self, group: int, capturing: bool = False) -> int | None:
+        """The group expected to be copied into `group`'s slot next, along the learned run order
+        (None where the pass ends first). A transfer may start moving its bytes early (a compressed
+        group into a free landing buffer); the schedule's bookkeeping does not change."""
+        slot = self.slot(group)
+        nxt = self._next(group, capturing)
+        for _ in range(self.n_groups):
+            if nxt is None or self.slot(nxt) == slot:
+                break
+            nxt = self._next(nxt, capturing)
+        return nxt
+
     def on_release(self, group: int, capturing: bool = False) -> ReleasePlan:
         """Bookkeeping for "group finished computing"; returns what to copy and whether to join."""
         if not 0 <= group < self.n_groups:
             raise IndexError(f"group {group} out of range 0..{self.n_groups - 1}")
         self.last_release = group
         slot = self.slot(group)
-        nxt = self._next(group, capturing)
-        plan = ReleasePlan(join=nxt is None)
-        for _ in range(self.n_groups):
-            if nxt is None or self.slot(nxt) == slot:
-                break
-            nxt = self._next(nxt, capturing)
+        plan = ReleasePlan(join=self._next(group, capturing) is None)
+        nxt = self.after(group, capturing)
         if nxt is None or self.content[slot] == nxt:
             return plan
         self.content[slot] = nxt

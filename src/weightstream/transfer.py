@@ -37,9 +37,14 @@ class SyncTransfer:
         """`group`'s bytes in its layout (uint8): its arena region, or read from disk."""
         return self.disk.load(group) if self.on_disk(group) else self.arena.region(group)
 
-    def start_copy(self, slot: int, group: int) -> None:
-        """Fill `slot` with `group` (here: at once)."""
+    def start_copy(self, slot: int, group: int, then: int | None = None) -> None:
+        """Fill `slot` with `group` (here: at once). `then`: the group expected next into `slot`
+        (`Schedule.after`), which a compressed transfer may start moving early."""
         self._copy(slot, group)
+
+    def forget(self) -> None:
+        """Whatever the transfer staged beyond the slots (landing buffers) changed behind the host's
+        back, or may have: a replay, a capture's start or end, a failed wait (here: nothing staged)."""
 
     def wait(self, slot: int) -> None:
         """Make compute wait for the last copy into `slot` (here: nothing to wait for)."""
@@ -114,7 +119,7 @@ class CudaTransfer(SyncTransfer):
                 "CUDA graph capture needs pinned host memory: offload with pin_memory=True (the default)"
             )
 
-    def start_copy(self, slot: int, group: int) -> None:
+    def start_copy(self, slot: int, group: int, then: int | None = None) -> None:
         """Start copying `group` into `slot` on the copy stream once compute has released the slot."""
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):

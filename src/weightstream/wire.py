@@ -1,13 +1,19 @@
 """Compressed groups on the wire: encoded once at offload, decoded on the GPU every forward.
 
 The host arena holds each compressed group's blob (`codec.py`). On CUDA a group's blob is copied into
-its slot's landing buffer on the copy stream, then decoded into the slot on a separate decode stream,
-so decoding group i overlaps the copy of group i+1; the slot's ready event is recorded after the
-decode, so compute (and the next copy into the same landing buffer) waits for it on the GPU. No host
-synchronization anywhere: CUDA-graph capture sees a copy, a kernel and events. Groups that did not
-compress (None) are copied raw straight into the slot as before. On the CPU backend the reference
-decoder fills the slot. A compressed group of the disk tier (`disk.py`, `diskcache.py`) takes the same
-path, its blob coming from the disk reader's pinned bounce buffer instead of the arena.
+a landing buffer on the copy stream (group i lands in buffer i % n_landing), then decoded into its slot
+on a separate decode stream, so decoding group i overlaps the copy of group i+1; the slot's ready event
+is recorded after the decode, so compute waits for it on the GPU, and each landing buffer's decoded
+event orders the next copy into it. With one slot and two landing buffers, the copy of the group
+expected next (`Schedule.after`) starts as soon as its landing buffer is free, while the current group
+decodes and computes; it is decoded into the slot once compute releases it. `Landings` keeps, on the
+host, which group each landing buffer holds; whatever changes the buffers behind the host's back (a
+CUDA graph replay, a capture's start or end) calls `forget()`. No host synchronization anywhere:
+CUDA-graph capture sees copies, kernels and events. Groups that did not compress (None) are copied raw
+straight into the slot as before. On the CPU backend the same bookkeeping runs with host landing
+buffers and the reference decoder, so the fuzzer checks it. A compressed group of the disk tier
+(`disk.py`, `diskcache.py`) takes the same path, its blob coming from the disk reader's pinned bounce
+buffer instead of the arena; it is never copied ahead.
 """
 
 from __future__ import annotations
@@ -83,24 +89,66 @@ def fill_arena(arena: HostArena, wire: list[codec.EncodedGroup | None], groups,
     return placed
 
 
+class Landings:
+    """Which group each of `n` landing buffers holds (or is being filled with), on the host."""
+
+    def __init__(self, n: int, wire: list[codec.EncodedGroup | None], on_disk) -> None:
+        self.n = n
+        self.wire = wire
+        self.on_disk = on_disk
+        self.held: list[int | None] = [None] * n
+
+    def forget(self) -> None:
+        """The buffers changed behind the host's back: trust none of them."""
+        self.held = [None] * self.n
+
+    def steps(self, group: int, then: int | None) -> tuple[int, bool, int | None]:
+        """For compressed `group` about to be decoded into its slot, with `then` expected next into
+        that slot: (its landing buffer, whether its bytes must be copied there first, the group to
+        copy ahead into another buffer or None). Records what the buffers will hold."""
+        buffer = group % self.n
+        land = self.held[buffer] != group or self.on_disk(group)
+        self.held[buffer] = None if self.on_disk(group) else group
+        if then is None or self.wire[then] is None or self.on_disk(then) or then % self.n == buffer \
+                or self.held[then % self.n] == then:
+            return buffer, land, None
+        self.held[then % self.n] = then
+        return buffer, land, then
+
+
 class CodedSyncTransfer(SyncTransfer):
-    """The CPU backend with compressed groups: the reference decoder fills the slot."""
+    """The CPU backend with compressed groups: blobs land in host landing buffers (the same
+    bookkeeping as on CUDA) and the reference decoder fills the slot."""
 
     def __init__(self, arena: HostArena, slots: list[torch.Tensor], wire: list[codec.EncodedGroup | None],
-                 disk: DiskTier | None = None) -> None:
+                 disk: DiskTier | None = None, n_landing: int = 1, landing_bytes: int = 0) -> None:
         super().__init__(arena, slots, disk)
         self.wire = wire
         self.bounce: torch.Tensor | None = None  # compressed disk groups' blobs are read into it
+        self.landings = Landings(n_landing, wire, self.on_disk)
+        self.landing = [torch.empty(landing_bytes, dtype=torch.uint8) for _ in range(n_landing)]
 
-    def _copy(self, slot: int, group: int) -> None:
-        if self.wire[group] is None:
-            super()._copy(slot, group)
-        elif self.on_disk(group):
+    def forget(self) -> None:
+        self.landings.forget()
+
+    def start_copy(self, slot: int, group: int, then: int | None = None) -> None:
+        enc = self.wire[group]
+        if enc is None:
+            super().start_copy(slot, group)
+            return
+        if self.on_disk(group):
             if self.bounce is None:
                 self.bounce = torch.empty(self.disk.max_read_bytes, dtype=torch.uint8)
+            self.landings.steps(group, None)
             codec.decode_group(self.disk.read(group, self.bounce), self.slots[slot])
-        else:
-            codec.decode_group(self.arena.region(group), self.slots[slot])
+            return
+        buffer, land, ahead = self.landings.steps(group, then)
+        if land:
+            self.landing[buffer][: enc.wire_bytes].copy_(self.arena.region(group))
+        codec.decode_group(self.landing[buffer][: enc.wire_bytes], self.slots[slot])
+        if ahead is not None:
+            blob = self.arena.region(ahead)
+            self.landing[ahead % self.landings.n][: blob.numel()].copy_(blob)
 
     def raw_group(self, group: int) -> torch.Tensor:
         """`group`'s bytes in its layout (decoded; a disk group's read raw from its checkpoint)."""
@@ -115,14 +163,20 @@ class CodedCudaTransfer(CudaTransfer):
 
     def __init__(self, arena: HostArena, slots: list[torch.Tensor], device: torch.device,
                  wire: list[codec.EncodedGroup | None], landing_bytes: int, disk: DiskTier | None = None,
-                 pin: bool = True) -> None:
+                 pin: bool = True, n_landing: int = 1) -> None:
         from . import codec_triton
 
         super().__init__(arena, slots, device, disk, pin)
         self.wire = wire
         self.decoder = codec_triton
         self.decode_stream = torch.cuda.Stream(device)
-        self.landing = [torch.empty(landing_bytes, dtype=torch.uint8, device=device) for _ in slots]
+        self.landing = [torch.empty(landing_bytes, dtype=torch.uint8, device=device)
+                        for _ in range(n_landing)]
+        self.landings = Landings(n_landing, wire, self.on_disk)
+        # each landing buffer's last decode (the next copy into it waits for it), and whether it was
+        # recorded inside a capture (see ready_in_capture)
+        self.decoded = [torch.cuda.Event() for _ in range(n_landing)]
+        self.decoded_in_capture = [False] * n_landing
         self._warm_up()
 
     def _warm_up(self) -> None:
@@ -136,36 +190,46 @@ class CodedCudaTransfer(CudaTransfer):
                 torch.cuda.synchronize(self.device)
                 return
 
-    def start_copy(self, slot: int, group: int) -> None:
-        """Copy `group`'s blob into `slot`'s landing buffer once compute has released the slot and the
-        landing buffer's last decode has finished; decode it into the slot on the decode stream."""
+    def forget(self) -> None:
+        self.landings.forget()
+
+    def start_copy(self, slot: int, group: int, then: int | None = None) -> None:
+        """Decode `group` into `slot` on the decode stream once compute has released the slot and its
+        blob has landed (copied now into its landing buffer once that buffer's last decode has
+        finished, unless it was copied ahead); then copy `then`'s blob ahead where `Landings` says."""
         enc = self.wire[group]
         if enc is None:
             super().start_copy(slot, group)
             return
         capturing = torch.cuda.is_current_stream_capturing()
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
-        if self.ready_in_capture[slot] == capturing:
-            self.stream.wait_event(self.ready[slot])  # the landing buffer's last decode has finished
-        landing = self.landing[slot]
-        with torch.cuda.stream(self.stream):
-            self._land(slot, group)
-        self.decode_stream.wait_stream(self.stream)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # compute released the slot
+        buffer, land, ahead = self.landings.steps(group, then)
+        if land:
+            self._land(buffer, group, capturing)
+        self.decode_stream.wait_stream(self.stream)  # the blob landed, and the slot is free
         with torch.cuda.stream(self.decode_stream):
-            self.decoder.decode(landing, self.slots[slot], enc.chunks)
+            self.decoder.decode(self.landing[buffer], self.slots[slot], enc.chunks)
+        self.decoded[buffer].record(self.decode_stream)
+        self.decoded_in_capture[buffer] = capturing
         self.ready[slot].record(self.decode_stream)
         self.ready_in_capture[slot] = capturing
+        if ahead is not None:
+            self._land(ahead % len(self.landing), ahead, capturing)
 
-    def _land(self, slot: int, group: int) -> None:
-        """Enqueue the copy of `group`'s blob into `slot`'s landing buffer on the current stream: from
-        the arena, or from the disk reader's bounce buffer (refilled once the copy is done)."""
+    def _land(self, buffer: int, group: int, capturing: bool) -> None:
+        """Enqueue the copy of `group`'s blob into landing buffer `buffer` on the copy stream once the
+        buffer's last decode has finished: from the arena, or from the disk reader's bounce buffer
+        (refilled once the copy is done)."""
+        if self.decoded_in_capture[buffer] == capturing:
+            self.stream.wait_event(self.decoded[buffer])
         enc = self.wire[group]
-        if not self.on_disk(group):
-            self.landing[slot][: enc.wire_bytes].copy_(enc.blob, non_blocking=True)
-            return
-        src, index = self.disk_source(group)
-        self.landing[slot][: enc.wire_bytes].copy_(src, non_blocking=index is not None)
-        self.disk_copied(index)
+        with torch.cuda.stream(self.stream):
+            if not self.on_disk(group):
+                self.landing[buffer][: enc.wire_bytes].copy_(enc.blob, non_blocking=True)
+                return
+            src, index = self.disk_source(group)
+            self.landing[buffer][: enc.wire_bytes].copy_(src, non_blocking=index is not None)
+            self.disk_copied(index)
 
     def close(self) -> None:
         """Stop the disk reader, if any, and free the landing buffers (restore no longer needs them)."""
@@ -196,11 +260,13 @@ class CodedCudaTransfer(CudaTransfer):
 
 def make_transfer(arena: HostArena, slots: list[torch.Tensor], device: torch.device,
                   disk: DiskTier | None, pin: bool, wire: list[codec.EncodedGroup | None] | None,
-                  landing_bytes: int) -> SyncTransfer:
-    """The transfer for an offload: compressed when any group is (`wire`), CUDA or synchronous."""
+                  landing_bytes: int, n_landing: int) -> SyncTransfer:
+    """The transfer for an offload: compressed when any group is (`wire`; `n_landing` landing buffers
+    of `landing_bytes`), CUDA or synchronous."""
     coded = wire is not None and any(enc is not None for enc in wire)
+    if not coded:
+        return CudaTransfer(arena, slots, device, disk, pin) if device.type == "cuda" \
+            else SyncTransfer(arena, slots, disk)
     if device.type == "cuda":
-        if coded:
-            return CodedCudaTransfer(arena, slots, device, wire, landing_bytes, disk, pin)
-        return CudaTransfer(arena, slots, device, disk, pin)
-    return CodedSyncTransfer(arena, slots, wire, disk) if coded else SyncTransfer(arena, slots, disk)
+        return CodedCudaTransfer(arena, slots, device, wire, landing_bytes, disk, pin, n_landing)
+    return CodedSyncTransfer(arena, slots, wire, disk, n_landing, landing_bytes)
