@@ -12,10 +12,15 @@ fuse there. This separates that cause from others, at Flux.1-dev's width and its
     fused the same way) and with that model's weights packed into one buffer per block at a slot's
     offsets ("packed": where the weights live, as offloaded). Equal to the second and not to the
     first means the difference is the fusion edge; equal to the third only, where the weights live.
+    Two controls: the resident model with the ops compiled a second time ("again": the same graph
+    and the same weights, so any difference is compile-to-compile variation), and each compiled
+    function's second call against its first (run-to-run). `--no-cache` turns Inductor's FX-graph
+    and autotuning caches off, so "again" really compiles and benchmarks anew.
 
 Every block streams through two slots (a forced placement, so no profile decides it).
 
     PYTHONPATH=src:tests python3 benchmarks/diag_flux_compile.py --out DIR             # H200
+    PYTHONPATH=src:tests python3 benchmarks/diag_flux_compile.py --out DIR --no-cache  # controls
     PYTHONPATH=src:tests python3 benchmarks/diag_flux_compile.py --out DIR --tiny      # CPU smoke run
 """
 
@@ -73,6 +78,8 @@ def main() -> None:
     parser.add_argument("--double", type=int, default=2, help="double-stream blocks (Flux.1-dev: 19)")
     parser.add_argument("--single", type=int, default=4, help="single-stream blocks (Flux.1-dev: 38)")
     parser.add_argument("--tiny", action="store_true", help="the tiny Flux config on the CPU (a smoke run)")
+    parser.add_argument("--no-cache", action="store_true",
+                        help="Inductor's FX-graph and autotune caches off (every compile starts afresh)")
     parser.add_argument("--deterministic", action="store_true",
                         help="Inductor's deterministic mode: no on-device benchmarking of kernel configs "
                              "that changes numerics (torch._inductor.config.deterministic)")
@@ -84,6 +91,9 @@ def main() -> None:
     torch._inductor.config.emulate_precision_casts = True
     if args.deterministic:
         torch._inductor.config.deterministic = True
+    if args.no_cache:
+        torch._inductor.config.fx_graph_cache = False
+        torch._inductor.config.autotune_local_cache = False
     kind = Diffusion(fields)
     ref = kind.build(fields, device, seed=0)
     image, text = fields["input_image_tokens"], fields["input_text_tokens"]
@@ -97,7 +107,7 @@ def main() -> None:
     gpu = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     lines = [f"# {' '.join(sys.argv)}", f"# {gpu}, torch {torch.__version__}; {args.double} double + "
              f"{args.single} single blocks, {image} + {text} tokens, bf16; Inductor deterministic "
-             f"{torch._inductor.config.deterministic}"]
+             f"{torch._inductor.config.deterministic}; caches {'off' if args.no_cache else 'on'}"]
     doc = {}
     for name, handle in handles.items():
         s = handle.stats
@@ -107,22 +117,27 @@ def main() -> None:
     with torch.no_grad():
         for name, model in models.items():
             outputs[("eager", name)] = kind.forward(model, x).clone()
-        for name, model in models.items():
+        compiles = [*models.items(), ("resident+ops again", models["resident+ops"])]
+        for name, model in compiles:
             torch._dynamo.reset()
             torch._dynamo.utils.counters.clear()
             start = time.perf_counter()
             fn = torch.compile(lambda x, model=model: kind.forward(model, x), fullgraph=True)
-            fn(x)
+            first = fn(x).clone()
             outputs[("compiled", name)] = fn(x).clone()
             breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
-            lines.append(f"compiled {name}: {time.perf_counter() - start:.1f} s, {breaks} graph breaks")
+            rerun = torch.equal(first, outputs[("compiled", name)])
+            lines.append(f"compiled {name}: {time.perf_counter() - start:.1f} s, {breaks} graph breaks, "
+                         f"second call equal to the first {rerun}")
             doc[f"graph_breaks {name}"] = breaks
+            doc[f"compiled: {name} run to run"] = rerun
 
     def diff(a, b):
         return (outputs[a].float() - outputs[b].float()).abs().max().item()
 
     for mode in ("eager", "compiled"):
-        for name in ("resident+ops", "resident+ops packed", "offloaded raw", "offloaded compressed"):
+        names = ["resident+ops", "resident+ops packed", "offloaded raw", "offloaded compressed"]
+        for name in names + (["resident+ops again"] if mode == "compiled" else []):
             for against in ("resident", "resident+ops", "resident+ops packed"):
                 if name == against or (name, against) == ("resident+ops", "resident+ops packed"):
                     continue
@@ -135,9 +150,10 @@ def main() -> None:
     text_out = "\n".join(lines)
     print(text_out)
     stem = "diag_flux_compile" + ("_deterministic" if args.deterministic else "")
+    stem += "_nocache" if args.no_cache else ""
     stem += "_tiny" if args.tiny else ""
     (out / f"{stem}.log").write_text(text_out + "\n")
-    doc = dict(command=" ".join(sys.argv), deterministic=args.deterministic, **doc)
+    doc = dict(command=" ".join(sys.argv), deterministic=args.deterministic, no_cache=args.no_cache, **doc)
     (out / f"{stem}.json").write_text(json.dumps(doc, indent=1))
 
 
