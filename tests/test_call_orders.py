@@ -260,6 +260,25 @@ def test_one_slot_copies_the_next_compressed_group_ahead_and_a_replay_resets_it(
         assert torch.equal(model.run_block(1, state)["x"], ref.run_block(1, state)["x"])
 
 
+def test_two_slots_copy_the_next_blob_into_the_landing_buffer_just_decoded():
+    """With two slots (a landing buffer each) the blob of a slot's next group is copied into its
+    buffer as soon as the current group is decoded out of it, before compute frees the slot: after
+    block 0 ran, slot 0 holds group 2 (decoded at the release) and buffer 0 already group 4's blob."""
+    ref, model = twin("one", coded=True)
+    handle = forced(model, range(N_BLOCKS), 2, landing=2)
+    landings, transfer = handle._transfer.landings, handle._transfer
+    x = torch.randn(3, CODED_DIM).to(torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(model(x), ref(x))
+        state = ref.start(x)
+        assert torch.equal(model.run_block(0, state)["x"], ref.run_block(0, state)["x"])
+        assert landings.held == [4, 3] and landings.pending == [True, True]
+        blob = handle._arena.region(4)
+        assert torch.equal(transfer.landing[0][: blob.numel()], blob)
+        assert torch.equal(model(x), ref(x))  # the next forward starts a pass again: exact
+    handle.restore()
+
+
 def test_the_fuzzers_replay_finds_stale_weights_when_replays_go_unseen():
     """Before replays notified the engine, this sequence used a slot a replay had overwritten (the
     H200 bug); with the notification left out, the simulation still shows it, so the fuzzer above

@@ -124,39 +124,49 @@ def predict(
 ) -> Prediction:
     """Predict one forward of `tokens` tokens with blocks `streamed` (through `n_slots` slots; each
     streams its `part` largest tensors, 0: all of it) and `uva` (zero copy), the rest resident.
-    compressed: copies move each group's predicted wire bytes into a landing buffer, then a decode on
-    its own stream (one after another, at the profile's decode rate) fills the slot; compute waits for
-    the decode. With one slot (and two landing buffers) the next group lands while the current one
-    decodes and computes, and is decoded into the slot once the slot is released, where there are two
-    landing buffers (`n_landing`; None: two)."""
+    compressed: copies move each group's predicted wire bytes into landing buffer g % `n_landing` (None:
+    two with one slot, else one per slot) once that buffer's last decode is done, and a decode on its
+    own stream (one after another, at the profile's decode rate) fills the slot once compute released
+    it; compute waits for the decode. As in `wire.py`, the blob of the next group of a slot is copied
+    ahead as soon as its landing buffer is free, so it crosses the link while the current groups
+    decode and compute."""
     group_of = {block: g for g, block in enumerate(streamed)}
     extra = profile.block_extra_seconds(model.width, tokens)  # every block, wherever its weights are
     uva_set = set(uva)
+    n = len(streamed)
+    n_buffers = (n_landing or (2 if n_slots == 1 and n > 1 else n_slots)) if compressed else 1
     landed: dict[int, float] = {}  # group -> time its bytes have crossed the link
     done: dict[int, float] = {}  # group -> time its slot holds it (decoded where compressed)
+    free = [0.0] * n_buffers  # landing buffer -> time its last decode finished
+    pending = [False] * n_buffers  # landing buffer holds a blob not decoded yet
     compute = copy = decode = 0.0
     link = 0.0
-    n = len(streamed)
-    ahead = compressed and n_slots == 1 and n > 1 and n_landing != 1  # landing runs a group ahead
 
     def land(group: int, not_before: float) -> None:
         nonlocal copy, link
         raw = model.streamed_bytes(streamed[group], part)
         seconds = profile.copy_seconds(model.wire_bytes(streamed[group], part) if compressed else raw)
-        copy = max(copy, not_before) + seconds
+        copy = max(copy, not_before, free[group % n_buffers]) + seconds
         link += seconds
         landed[group] = done[group] = copy
+        pending[group % n_buffers] = compressed
 
-    def decode_into(group: int, not_before: float) -> None:
+    def start_copy(group: int, now: float) -> None:
         nonlocal decode
-        decode = max(decode, landed[group], not_before)
-        decode += profile.decode_seconds(model.streamed_bytes(streamed[group], part))
-        done[group] = decode
+        if not compressed:
+            land(group, now)
+            return
+        if group not in landed:
+            land(group, now)
+        decode = max(decode, landed[group], now) + \
+            profile.decode_seconds(model.streamed_bytes(streamed[group], part))
+        done[group] = free[group % n_buffers] = decode
+        pending[group % n_buffers] = False
 
-    def start_copy(group: int, not_before: float) -> None:
-        land(group, not_before)
-        if compressed:
-            decode_into(group, not_before)
+    def copy_ahead(group: int, now: float) -> None:
+        nxt = group + n_slots
+        if compressed and nxt < n and nxt not in landed and not pending[nxt % n_buffers]:
+            land(nxt, now)
 
     def gemm_seconds(rate, block: int) -> float:
         return sum(rate(nbytes, m) for nbytes, m in model.reads(block, tokens))
@@ -169,20 +179,17 @@ def predict(
             compute += extra  # the block's other kernels read no weights: the link is free again
             continue
         g = group_of.get(block)
-        if g == 0:
+        if g == 0:  # the prologue, issued when the forward reaches group 0
             for first in range(min(n_slots, n)):
-                start_copy(first, compute)  # the prologue, issued when the forward reaches group 0
-            if ahead:
-                land(1, compute)
+                start_copy(first, compute)
+            for first in range(min(n_slots, n)):
+                copy_ahead(first, compute)
         if g is not None:
             compute = max(compute, done[g])
         compute += model.resident_seconds(block, tokens, profile) + extra
-        if g is not None and ahead and g + 1 < n:  # released: decode the landed group, land the next
-            decode_into(g + 1, compute)
-            if g + 2 < n:
-                land(g + 2, compute)
-        elif g is not None and g + n_slots < n:
-            start_copy(g + n_slots, compute)  # released: the next group of this slot
+        if g is not None and g + n_slots < n:  # released: the next group of this slot
+            start_copy(g + n_slots, compute)
+            copy_ahead(g + n_slots, compute)
     compute += profile.resident_seconds(model.head_bytes, tokens)
     resident = sum(model.resident_seconds(b, tokens, profile) + extra for b in range(len(model.block_bytes)))
     resident += profile.resident_seconds(model.head_bytes, tokens)

@@ -155,8 +155,10 @@ class OffloadHandle:
                 self._capturing = capturing
                 self._invalidate()
             plan = self._schedule.on_wait(group, capturing)
-            for slot, g in plan.copies:
-                self._transfer.start_copy(slot, g, self._schedule.after(g, capturing))
+            for slot, g in plan.copies:  # every group of the prologue first, then what goes ahead
+                self._transfer.start_copy(slot, g)
+            for _, g in plan.copies:
+                self._transfer.copy_ahead(self._schedule.after(g, capturing))
             self._transfer.wait(plan.slot)
             if plan.miss and not self._warned:
                 self._warned = True

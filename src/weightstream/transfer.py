@@ -42,6 +42,10 @@ class SyncTransfer:
         (`Schedule.after`), which a compressed transfer may start moving early."""
         self._copy(slot, group)
 
+    def copy_ahead(self, then: int | None) -> None:
+        """Start moving `then`'s bytes towards the GPU before its slot is free, where the transfer has
+        somewhere to put them (compressed groups: a free landing buffer; here: nowhere)."""
+
     def forget(self) -> None:
         """Whatever the transfer staged beyond the slots (landing buffers) changed behind the host's
         back, or may have: a replay, a capture's start or end, a failed wait (here: nothing staged)."""

@@ -2,18 +2,20 @@
 
 The host arena holds each compressed group's blob (`codec.py`). On CUDA a group's blob is copied into
 a landing buffer on the copy stream (group i lands in buffer i % n_landing), then decoded into its slot
-on a separate decode stream, so decoding group i overlaps the copy of group i+1; the slot's ready event
-is recorded after the decode, so compute waits for it on the GPU, and each landing buffer's decoded
-event orders the next copy into it. With one slot and two landing buffers, the copy of the group
-expected next (`Schedule.after`) starts as soon as its landing buffer is free, while the current group
-decodes and computes; it is decoded into the slot once compute releases it. `Landings` keeps, on the
-host, which group each landing buffer holds; whatever changes the buffers behind the host's back (a
-CUDA graph replay, a capture's start or end) calls `forget()`. No host synchronization anywhere:
-CUDA-graph capture sees copies, kernels and events. Groups that did not compress (None) are copied raw
-straight into the slot as before. On the CPU backend the same bookkeeping runs with host landing
-buffers and the reference decoder, so the fuzzer checks it. A compressed group of the disk tier
-(`disk.py`, `diskcache.py`) takes the same path, its blob coming from the disk reader's pinned bounce
-buffer instead of the arena; it is never copied ahead.
+on a separate decode stream once compute has released the slot; the slot's ready event is recorded
+after the decode, so compute waits for it on the GPU. Each landing buffer has two events: `landed`
+(its last copy; the decode waits for it) and `decoded` (its last decode; the next copy into it waits
+for it). As soon as a group's decode is enqueued, the blob of the group expected next into the same
+slot (`Schedule.after`) is copied into its landing buffer once that buffer is free (`copy_ahead`):
+with two slots into the buffer just decoded, with one slot and two buffers into the other one. So the
+link moves the next blobs while the current groups decode and compute, and only the decode waits for
+the slot. `Landings` keeps, on the host, which group each landing buffer holds; whatever changes the
+buffers behind the host's back (a CUDA graph replay, a capture's start or end) calls `forget()`. No
+host synchronization anywhere: CUDA-graph capture sees copies, kernels and events. Groups that did not
+compress (None) are copied raw straight into the slot as before. On the CPU backend the same
+bookkeeping runs with host landing buffers and the reference decoder, so the fuzzer checks it. A
+compressed group of the disk tier (`disk.py`, `diskcache.py`) takes the same path, its blob coming
+from the disk reader's pinned bounce buffer instead of the arena; it is never copied ahead.
 """
 
 from __future__ import annotations
@@ -90,30 +92,42 @@ def fill_arena(arena: HostArena, wire: list[codec.EncodedGroup | None], groups,
 
 
 class Landings:
-    """Which group each of `n` landing buffers holds (or is being filled with), on the host."""
+    """Which group each of `n` landing buffers holds (or is being filled with), on the host, and
+    whether that blob still waits for its decode (a buffer copied ahead and not decoded yet)."""
 
     def __init__(self, n: int, wire: list[codec.EncodedGroup | None], on_disk) -> None:
         self.n = n
         self.wire = wire
         self.on_disk = on_disk
         self.held: list[int | None] = [None] * n
+        self.pending: list[bool] = [False] * n
 
     def forget(self) -> None:
         """The buffers changed behind the host's back: trust none of them."""
         self.held = [None] * self.n
+        self.pending = [False] * self.n
 
-    def steps(self, group: int, then: int | None) -> tuple[int, bool, int | None]:
-        """For compressed `group` about to be decoded into its slot, with `then` expected next into
-        that slot: (its landing buffer, whether its bytes must be copied there first, the group to
-        copy ahead into another buffer or None). Records what the buffers will hold."""
+    def steps(self, group: int) -> tuple[int, bool]:
+        """For compressed `group` about to be decoded into its slot: (its landing buffer, whether its
+        bytes must be copied there first). Records that the buffer holds it, decoded."""
         buffer = group % self.n
         land = self.held[buffer] != group or self.on_disk(group)
         self.held[buffer] = None if self.on_disk(group) else group
-        if then is None or self.wire[then] is None or self.on_disk(then) or then % self.n == buffer \
-                or self.held[then % self.n] == then:
-            return buffer, land, None
-        self.held[then % self.n] = then
-        return buffer, land, then
+        self.pending[buffer] = False
+        return buffer, land
+
+    def ahead(self, then: int | None) -> int | None:
+        """The landing buffer to copy `then`'s blob into now, ahead of its decode, or None: `then` is
+        raw, on disk, already there, or its buffer holds a blob still waiting for its decode (a copy
+        there would only displace it)."""
+        if then is None or self.wire[then] is None or self.on_disk(then):
+            return None
+        buffer = then % self.n
+        if self.held[buffer] == then or self.pending[buffer]:
+            return None
+        self.held[buffer] = then
+        self.pending[buffer] = True
+        return buffer
 
 
 class CodedSyncTransfer(SyncTransfer):
@@ -135,20 +149,23 @@ class CodedSyncTransfer(SyncTransfer):
         enc = self.wire[group]
         if enc is None:
             super().start_copy(slot, group)
-            return
-        if self.on_disk(group):
+        elif self.on_disk(group):
             if self.bounce is None:
                 self.bounce = torch.empty(self.disk.max_read_bytes, dtype=torch.uint8)
-            self.landings.steps(group, None)
+            self.landings.steps(group)
             codec.decode_group(self.disk.read(group, self.bounce), self.slots[slot])
-            return
-        buffer, land, ahead = self.landings.steps(group, then)
-        if land:
-            self.landing[buffer][: enc.wire_bytes].copy_(self.arena.region(group))
-        codec.decode_group(self.landing[buffer][: enc.wire_bytes], self.slots[slot])
-        if ahead is not None:
-            blob = self.arena.region(ahead)
-            self.landing[ahead % self.landings.n][: blob.numel()].copy_(blob)
+        else:
+            buffer, land = self.landings.steps(group)
+            if land:
+                self.landing[buffer][: enc.wire_bytes].copy_(self.arena.region(group))
+            codec.decode_group(self.landing[buffer][: enc.wire_bytes], self.slots[slot])
+        self.copy_ahead(then)
+
+    def copy_ahead(self, then: int | None) -> None:
+        buffer = self.landings.ahead(then)
+        if buffer is not None:
+            blob = self.arena.region(then)
+            self.landing[buffer][: blob.numel()].copy_(blob)
 
     def raw_group(self, group: int) -> torch.Tensor:
         """`group`'s bytes in its layout (decoded; a disk group's read raw from its checkpoint)."""
@@ -173,8 +190,10 @@ class CodedCudaTransfer(CudaTransfer):
         self.landing = [torch.empty(landing_bytes, dtype=torch.uint8, device=device)
                         for _ in range(n_landing)]
         self.landings = Landings(n_landing, wire, self.on_disk)
-        # each landing buffer's last decode (the next copy into it waits for it), and whether it was
-        # recorded inside a capture (see ready_in_capture)
+        # each landing buffer's last copy (its decode waits for it) and last decode (the next copy into
+        # it waits for it), and whether each was recorded inside a capture (see ready_in_capture)
+        self.landed = [torch.cuda.Event() for _ in range(n_landing)]
+        self.landed_in_capture = [False] * n_landing
         self.decoded = [torch.cuda.Event() for _ in range(n_landing)]
         self.decoded_in_capture = [False] * n_landing
         self._warm_up()
@@ -196,40 +215,54 @@ class CodedCudaTransfer(CudaTransfer):
     def start_copy(self, slot: int, group: int, then: int | None = None) -> None:
         """Decode `group` into `slot` on the decode stream once compute has released the slot and its
         blob has landed (copied now into its landing buffer once that buffer's last decode has
-        finished, unless it was copied ahead); then copy `then`'s blob ahead where `Landings` says."""
+        finished, unless it was copied ahead); then `copy_ahead(then)`."""
         enc = self.wire[group]
         if enc is None:
             super().start_copy(slot, group)
+            self.copy_ahead(then)
             return
         capturing = torch.cuda.is_current_stream_capturing()
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))  # compute released the slot
-        buffer, land, ahead = self.landings.steps(group, then)
+        compute = torch.cuda.current_stream(self.device)
+        # the copy stream joins compute here too: inside a capture that forks it into the graph
+        self.stream.wait_stream(compute)
+        buffer, land = self.landings.steps(group)
         if land:
             self._land(buffer, group, capturing)
-        self.decode_stream.wait_stream(self.stream)  # the blob landed, and the slot is free
+        self.decode_stream.wait_stream(compute)  # the slot is free
+        if self.landed_in_capture[buffer] == capturing:
+            self.decode_stream.wait_event(self.landed[buffer])  # the blob is there (not what follows it)
         with torch.cuda.stream(self.decode_stream):
             self.decoder.decode(self.landing[buffer], self.slots[slot], enc.chunks)
         self.decoded[buffer].record(self.decode_stream)
         self.decoded_in_capture[buffer] = capturing
         self.ready[slot].record(self.decode_stream)
         self.ready_in_capture[slot] = capturing
-        if ahead is not None:
-            self._land(ahead % len(self.landing), ahead, capturing)
+        self.copy_ahead(then)
+
+    def copy_ahead(self, then: int | None) -> None:
+        """Start copying `then`'s blob into its landing buffer (after the buffer's last decode) where
+        `Landings.ahead` says so, so it crosses the link before its slot is free."""
+        buffer = self.landings.ahead(then)
+        if buffer is not None:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))  # forked, inside a capture
+            self._land(buffer, then, torch.cuda.is_current_stream_capturing())
 
     def _land(self, buffer: int, group: int, capturing: bool) -> None:
         """Enqueue the copy of `group`'s blob into landing buffer `buffer` on the copy stream once the
-        buffer's last decode has finished: from the arena, or from the disk reader's bounce buffer
-        (refilled once the copy is done)."""
+        buffer's last decode has finished, and record the buffer's `landed` event: from the arena, or
+        from the disk reader's bounce buffer (refilled once the copy is done)."""
         if self.decoded_in_capture[buffer] == capturing:
             self.stream.wait_event(self.decoded[buffer])
         enc = self.wire[group]
         with torch.cuda.stream(self.stream):
             if not self.on_disk(group):
                 self.landing[buffer][: enc.wire_bytes].copy_(enc.blob, non_blocking=True)
-                return
-            src, index = self.disk_source(group)
-            self.landing[buffer][: enc.wire_bytes].copy_(src, non_blocking=index is not None)
-            self.disk_copied(index)
+            else:
+                src, index = self.disk_source(group)
+                self.landing[buffer][: enc.wire_bytes].copy_(src, non_blocking=index is not None)
+                self.disk_copied(index)
+        self.landed[buffer].record(self.stream)
+        self.landed_in_capture[buffer] = capturing
 
     def close(self) -> None:
         """Stop the disk reader, if any, and free the landing buffers (restore no longer needs them)."""
