@@ -100,6 +100,28 @@ def test_graph_replays_interleaved_with_eager_calls_are_exact(kind, n_slots, lan
     handle.restore()
 
 
+def test_a_side_stream_shared_with_another_engine_leaves_captures_intact():
+    """torch hands out side streams from a pool of 32 per device, so two engines can get the same one:
+    here the other engine's copy stream is this one's. This engine's capture forks that stream but
+    not the other engine's decode stream; the capture's end joins every live engine's side streams
+    and must skip the unforked one (waiting on it raised cudaErrorStreamCaptureIsolation on the H200
+    when the test order made the pool hand out such a pair)."""
+    ref, model = gpu_twin("one", coded=True)
+    _, other = gpu_twin("one", coded=True)
+    handle, handle_other = forced(model, 1, landing=2), forced(other, 1, landing=2)
+    handle_other._transfer.stream = handle._transfer.stream
+    with torch.no_grad():
+        x = inp(0, model.dim)
+        replay_ref, replay_model = capture_graph(ref, x), capture_graph(model, x)
+        for step in range(1, 4):
+            replay_ref.static_in.copy_(inp(step, model.dim))
+            replay_model.static_in.copy_(inp(step, model.dim))
+            assert torch.equal(replay_model(), replay_ref()), f"replay {step}"
+            assert torch.equal(model(inp(step, model.dim)), ref(inp(step, model.dim)))
+    handle.restore()
+    handle_other.restore()
+
+
 @pytest.mark.parametrize("kind", ["one", "two"])
 def test_reduce_overhead_interleaved_with_eager_calls_is_exact(kind):
     ref, model = gpu_twin(kind, edges=True)

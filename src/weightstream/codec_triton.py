@@ -17,6 +17,7 @@ import triton.language as tl
 from . import codec
 
 _BLOCK = 512  # values per step; CHUNK is a multiple of it
+_WARPS = 4  # warps per program (benchmarks/bench_decoder.py sweeps it)
 
 
 @triton.jit
@@ -81,7 +82,8 @@ def decode(blob: torch.Tensor, out: torch.Tensor, chunks: int) -> None:
     if chunks:
         with torch.cuda.device(out.device) if out.is_cuda else contextlib.nullcontext():
             _decode_kernel[(chunks,)](blob, out, CHUNK=codec.CHUNK, RAW_CHUNK=codec.RAW_CHUNK, BLOCK=_BLOCK,
-                                      HEADER_WORDS=codec.HEADER_WORDS, SEGMENT_WORDS=codec.SEGMENT_WORDS)
+                                      HEADER_WORDS=codec.HEADER_WORDS, SEGMENT_WORDS=codec.SEGMENT_WORDS,
+                                      num_warps=_WARPS)
 
 
 def decode_seconds_per_byte(device: torch.device, nbytes: int = 256 << 20) -> float:

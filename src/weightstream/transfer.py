@@ -165,21 +165,30 @@ class CudaTransfer(SyncTransfer):
         if self.ready_in_capture[slot] == torch.cuda.is_current_stream_capturing():
             torch.cuda.current_stream(self.device).wait_event(self.ready[slot])
 
+    def side_streams(self) -> list[torch.cuda.Stream]:
+        """The streams this transfer enqueues work on besides the compute stream."""
+        return [self.stream]
+
     def join(self) -> None:
-        """Make the compute stream wait for every copy started so far (keeps CUDA graph capture joined)."""
-        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        """Make the compute stream wait for every copy started so far (keeps CUDA graph capture joined).
+        Inside a capture, each side stream that the capture forked is joined, and only those: torch
+        hands out streams from a pool of 32 per device, so another engine's stream may be one of
+        these, forked by that engine's capture while this engine's other stream was not (waiting on
+        an unforked stream breaks the capture)."""
+        current = torch.cuda.current_stream(self.device)
+        capturing = torch.cuda.is_current_stream_capturing()
+        for stream in self.side_streams():
+            if capturing:
+                with torch.cuda.stream(stream):
+                    if not torch.cuda.is_current_stream_capturing():
+                        continue
+            current.wait_stream(stream)
 
     def join_for_graph(self) -> None:
         """At a capture's start or end and before a replay: make the current stream wait for the copies
         still in flight. Eagerly, so a graph's copies into the same slots never race them; inside a
-        capture about to end (a partial pass captured), so the copy stream is joined back into it."""
-        if not torch.cuda.is_current_stream_capturing():
-            self.join()
-            return
-        with torch.cuda.stream(self.stream):
-            forked = torch.cuda.is_current_stream_capturing()  # the copy stream is part of the capture
-        if forked:
-            self.join()
+        capture about to end (a partial pass captured), so the side streams are joined back into it."""
+        self.join()
 
     def synchronize(self) -> None:
         """Block the host until every copy has finished."""

@@ -21,6 +21,7 @@ from the disk reader's pinned bounce buffer instead of the arena; it is never co
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import torch
 
@@ -28,6 +29,9 @@ from . import codec
 from .disk import DiskTier
 from .host import HostArena
 from .transfer import CudaTransfer, SyncTransfer
+
+# EXPERIMENT (session 26): the decode stream's priority (0: normal, -1: high); decided by an H200 A/B
+DECODE_PRIORITY = int(os.environ.get("WEIGHTSTREAM_DECODE_PRIORITY", "0"))
 
 
 def sized(enc: codec.EncodedGroup) -> codec.EncodedGroup:
@@ -186,7 +190,7 @@ class CodedCudaTransfer(CudaTransfer):
         super().__init__(arena, slots, device, disk, pin)
         self.wire = wire
         self.decoder = codec_triton
-        self.decode_stream = torch.cuda.Stream(device)
+        self.decode_stream = torch.cuda.Stream(device, priority=DECODE_PRIORITY)
         self.landing = [torch.empty(landing_bytes, dtype=torch.uint8, device=device)
                         for _ in range(n_landing)]
         self.landings = Landings(n_landing, wire, self.on_disk)
@@ -270,10 +274,9 @@ class CodedCudaTransfer(CudaTransfer):
         self.synchronize()
         self.landing.clear()
 
-    def join(self) -> None:
-        """Make the compute stream wait for every copy and decode started so far."""
-        super().join()
-        torch.cuda.current_stream(self.device).wait_stream(self.decode_stream)
+    def side_streams(self) -> list[torch.cuda.Stream]:
+        """The copy stream and the decode stream."""
+        return [self.stream, self.decode_stream]
 
     def synchronize(self) -> None:
         """Block the host until every copy and decode has finished."""
