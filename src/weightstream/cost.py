@@ -124,49 +124,42 @@ def predict(
 ) -> Prediction:
     """Predict one forward of `tokens` tokens with blocks `streamed` (through `n_slots` slots; each
     streams its `part` largest tensors, 0: all of it) and `uva` (zero copy), the rest resident.
-    compressed: copies move each group's predicted wire bytes into landing buffer g % `n_landing` (None:
-    two with one slot, else one per slot) once that buffer's last decode is done, and a decode on its
-    own stream (one after another, at the profile's decode rate) fills the slot once compute released
-    it; compute waits for the decode. As in `wire.py`, the blob of the next group of a slot is copied
-    ahead as soon as its landing buffer is free, so it crosses the link while the current groups
-    decode and compute."""
+
+    Raw groups are copied into their slot once compute released it. Compressed groups follow
+    `wire.py`: group h's blob is copied into landing buffer h % `n_landing` (None: two with one slot,
+    else one per slot) once that buffer's last decode is done, issued when the group before it in the
+    same slot starts (so up to two groups ahead of compute); copies run one after another on the link.
+    A decode fills the slot at the profile's decode rate, but it does not overlap compute: measured on
+    the H200 (benchmarks/diag_decode_overlap.py), a decode enqueued beside busy GEMMs lengthens them
+    by more than its own time, and in a Flux step every decode ran only once compute was idle. So a
+    group's decode starts once its blob has landed, the decode before it is done and compute has
+    reached the group, and compute waits for it."""
     group_of = {block: g for g, block in enumerate(streamed)}
     extra = profile.block_extra_seconds(model.width, tokens)  # every block, wherever its weights are
     uva_set = set(uva)
     n = len(streamed)
-    n_buffers = (n_landing or (2 if n_slots == 1 and n > 1 else n_slots)) if compressed else 1
+    n_buffers = n_landing or (2 if n_slots == 1 and n > 1 else n_slots)
     landed: dict[int, float] = {}  # group -> time its bytes have crossed the link
-    done: dict[int, float] = {}  # group -> time its slot holds it (decoded where compressed)
-    free = [0.0] * n_buffers  # landing buffer -> time its last decode finished
-    pending = [False] * n_buffers  # landing buffer holds a blob not decoded yet
-    compute = copy = decode = 0.0
+    decoded: dict[int, float] = {}  # compressed group -> time its decode ended
+    released: dict[int, float] = {}  # group -> time compute released its slot
+    compute = copy = decode = prologue = 0.0
     link = 0.0
 
     def land(group: int, not_before: float) -> None:
         nonlocal copy, link
-        raw = model.streamed_bytes(streamed[group], part)
-        seconds = profile.copy_seconds(model.wire_bytes(streamed[group], part) if compressed else raw)
-        copy = max(copy, not_before, free[group % n_buffers]) + seconds
+        nbytes = model.wire_bytes(streamed[group], part) if compressed else \
+            model.streamed_bytes(streamed[group], part)
+        seconds = profile.copy_seconds(nbytes)
+        copy = max(copy, not_before) + seconds
         link += seconds
-        landed[group] = done[group] = copy
-        pending[group % n_buffers] = compressed
+        landed[group] = copy
 
-    def start_copy(group: int, now: float) -> None:
-        nonlocal decode
-        if not compressed:
-            land(group, now)
-            return
-        if group not in landed:
-            land(group, now)
-        decode = max(decode, landed[group], now) + \
-            profile.decode_seconds(model.streamed_bytes(streamed[group], part))
-        done[group] = free[group % n_buffers] = decode
-        pending[group % n_buffers] = False
-
-    def copy_ahead(group: int, now: float) -> None:
-        nxt = group + n_slots
-        if compressed and nxt < n and nxt not in landed and not pending[nxt % n_buffers]:
-            land(nxt, now)
+    def land_ahead(group: int) -> None:
+        """Compressed `group`'s blob: issued at the start of the group before it in its slot (the
+        prologue for the first two rounds), after its landing buffer's last decode."""
+        issued = prologue if group < 2 * n_slots else released[group - 2 * n_slots]
+        free = decoded[group - n_buffers] if group >= n_buffers else 0.0
+        land(group, max(issued, free))
 
     def gemm_seconds(rate, block: int) -> float:
         return sum(rate(nbytes, m) for nbytes, m in model.reads(block, tokens))
@@ -180,16 +173,22 @@ def predict(
             continue
         g = group_of.get(block)
         if g == 0:  # the prologue, issued when the forward reaches group 0
+            prologue = compute
             for first in range(min(n_slots, n)):
-                start_copy(first, compute)
-            for first in range(min(n_slots, n)):
-                copy_ahead(first, compute)
-        if g is not None:
-            compute = max(compute, done[g])
+                land(first, compute)
+        if g is not None and compressed:
+            for h in range(len(landed), g + 1):  # every blob up to this group's, in issue order
+                land_ahead(h)
+            decode = max(decode, landed[g], compute) + \
+                profile.decode_seconds(model.streamed_bytes(streamed[g], part))
+            decoded[g] = compute = decode
+        elif g is not None:
+            compute = max(compute, landed[g])
         compute += model.resident_seconds(block, tokens, profile) + extra
-        if g is not None and g + n_slots < n:  # released: the next group of this slot
-            start_copy(g + n_slots, compute)
-            copy_ahead(g + n_slots, compute)
+        if g is not None:
+            released[g] = compute
+            if not compressed and g + n_slots < n:
+                land(g + n_slots, compute)  # released: the next group of this slot
     compute += profile.resident_seconds(model.head_bytes, tokens)
     resident = sum(model.resident_seconds(b, tokens, profile) + extra for b in range(len(model.block_bytes)))
     resident += profile.resident_seconds(model.head_bytes, tokens)

@@ -21,7 +21,6 @@ from the disk reader's pinned bounce buffer instead of the arena; it is never co
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 
@@ -29,9 +28,6 @@ from . import codec
 from .disk import DiskTier
 from .host import HostArena
 from .transfer import CudaTransfer, SyncTransfer
-
-# EXPERIMENT (session 26): the decode stream's priority (0: normal, -1: high); decided by an H200 A/B
-DECODE_PRIORITY = int(os.environ.get("WEIGHTSTREAM_DECODE_PRIORITY", "0"))
 
 
 def sized(enc: codec.EncodedGroup) -> codec.EncodedGroup:
@@ -190,7 +186,9 @@ class CodedCudaTransfer(CudaTransfer):
         super().__init__(arena, slots, device, disk, pin)
         self.wire = wire
         self.decoder = codec_triton
-        self.decode_stream = torch.cuda.Stream(device, priority=DECODE_PRIORITY)
+        # normal priority: a high-priority decode stream was no faster on a Flux step (220.1 against
+        # 221.5 ms) and slowed GEMMs beside it more (benchmarks/results/diag_decode_overlap.log)
+        self.decode_stream = torch.cuda.Stream(device)
         self.landing = [torch.empty(landing_bytes, dtype=torch.uint8, device=device)
                         for _ in range(n_landing)]
         self.landings = Landings(n_landing, wire, self.on_disk)
