@@ -379,8 +379,8 @@ def offload(
     compress: stream bf16/fp16 groups losslessly compressed (`codec.py`, about 0.71 of the bytes for
         Hugging Face-initialized bf16 weights) and decode them on the GPU into the slots: True, False
         or "auto" (the default: compressed wherever the planner predicts it faster, which on the H200
-        held for every LLM placement measured and not for a Flux transformer at 12 GiB, 4% slower
-        (docs/compression.md); never on the CPU backend, and
+        held for every placement measured, LLMs and a Flux transformer (docs/compression.md); never
+        on the CPU backend, and
         never for tensor subclasses, whose groups stream raw). False forces raw groups.
         Outputs stay bit-identical; landing buffers for the compressed bytes count in `gpu_memory`.
 
