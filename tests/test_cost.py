@@ -1,6 +1,8 @@
 """The cost model against hand-computed schedules."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from weightstream.cost import ModelCost, largest, predict
 from weightstream.probe import MachineProfile
@@ -101,3 +103,58 @@ def test_a_partly_quantized_block_splits_its_bytes():
     profile = MachineProfile("q", 1.0, resident={1: 0.1}, uva={1: 2.0}, dequant={1: 2.0})
     mixed = ModelCost(0, 0, (10,), quant_bytes=(4,), quant_bf16_bytes=(8,))
     assert predict(mixed, (), 0, (), 1, profile).ms == pytest.approx((6 * 0.1 + 8 * 0.1 * 2.0) * 1e3)
+
+
+# --- compressed groups: blobs land ahead, decodes take turns with compute ---------------------------
+
+def _coded(blocks: int, raw: int, wire: int) -> ModelCost:
+    """`blocks` blocks of one tensor of `raw` bytes, each `wire` bytes on the wire (plus the 64-byte
+    header `wire_bytes` adds)."""
+    return ModelCost(0, 0, (raw,) * blocks, tensor_bytes=((raw,),) * blocks,
+                     tensor_wire=((wire - 64,),) * blocks)
+
+
+CODED = MachineProfile("coded", copy_s_per_byte=0.01, resident={1: 0.001, 2048: 0.001},
+                       uva={1: 1.0, 2048: 1.0}, decode_s_per_byte=0.002)
+
+
+def test_compressed_two_slots_land_ahead_and_decode_when_compute_reaches_the_group():
+    # wire copies 5 s, decodes 2 s, compute 1 s per block. Prologue lands 0 (0..5) and 1 (5..10).
+    # Block 0: decode 5..7, compute ..8. Block 1: decode 10..12, compute ..13. Blob 2 was issued in
+    # the prologue and waits for buffer 0's decode (7): lands 10..15; decode 15..17, compute ..18.
+    # Blob 3 lands 15..20; decode 20..22, compute ..23.
+    p = predict(_coded(4, 1000, 500), (0, 1, 2, 3), 2, (), 1, CODED, compressed=True)
+    assert p.ms == pytest.approx(23e3) and p.link_ms == pytest.approx(20e3)
+
+
+def test_a_decode_never_overlaps_compute():
+    # copies 1 s, decodes 2 s, compute 10 s per block: compute-bound, and every decode adds to it
+    # (prologue: 1 s copy; then 4 x (2 s decode + 10 s compute))
+    fast_link = MachineProfile("c", 0.002, resident={1: 0.01, 2048: 0.01}, uva={1: 1.0, 2048: 1.0},
+                               decode_s_per_byte=0.002)
+    p = predict(_coded(4, 1000, 500), (0, 1, 2, 3), 2, (), 1, fast_link, compressed=True)
+    assert p.ms == pytest.approx((1 + 4 * 12) * 1e3)
+
+
+@settings(max_examples=200, deadline=None)
+@given(sizes=st.lists(st.integers(1, 2000), min_size=2, max_size=9),
+       streamed_mask=st.lists(st.booleans(), min_size=9, max_size=9),
+       ratio=st.floats(0.1, 1.0), n_slots=st.integers(1, 2), landing=st.sampled_from([None, 1, 2]),
+       copy=st.floats(1e-4, 1e-1), compute=st.floats(1e-4, 1e-1), decode=st.floats(1e-5, 1e-1))
+def test_compressed_prediction_lies_between_its_bounds(sizes, streamed_mask, ratio, n_slots, landing, copy,
+                                                       compute, decode):
+    """Over random models, placements and rates: a compressed forward takes at least its copies and at
+    least its compute plus its decodes (they take turns), and at most all three one after another."""
+    streamed = tuple(b for b in range(len(sizes)) if streamed_mask[b])
+    if len(streamed) < n_slots or (landing == 1 and n_slots == 2):
+        return
+    model = ModelCost(0, 0, tuple(sizes), tensor_bytes=tuple((s,) for s in sizes),
+                      tensor_wire=tuple((max(1, int(s * ratio)) - 64,) for s in sizes))
+    profile = MachineProfile("h", copy, resident={1: compute, 2048: compute}, uva={1: 1.0, 2048: 1.0},
+                             decode_s_per_byte=decode)
+    p = predict(model, streamed, n_slots, (), 1, profile, compressed=True, n_landing=landing)
+    decode_ms = sum(profile.decode_seconds(sizes[b]) for b in streamed) * 1e3
+    tol = 1e-6 * (p.link_ms + p.compute_ms + decode_ms)
+    assert p.ms >= p.link_ms - tol
+    assert p.ms >= p.compute_ms + decode_ms - tol
+    assert p.ms <= p.link_ms + p.compute_ms + decode_ms + tol
