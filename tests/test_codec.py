@@ -1,7 +1,12 @@
 """The wire codec: bit-exact round trips of every dtype, shape and special value; ratios on Hugging
-Face-initialized weights; the GPU kernel against the reference decoder."""
+Face-initialized weights; the GPU kernel against the reference decoder (run by Triton's interpreter on
+the CPU, and compiled on a GPU)."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -57,20 +62,28 @@ SPECIALS = [float("nan"), float("inf"), float("-inf"), -0.0, 0.0, 1e-40, -1e-40,
 
 
 @st.composite
-def tensors(draw):
+def tensors(draw, max_n: int | None = None):
     dtype = draw(st.sampled_from(DTYPES))
     shape = draw(st.lists(st.integers(1, 40), min_size=1, max_size=3))
     n = 1
     for s in shape:
         n *= s
     n *= draw(st.sampled_from([1, 1, 100, codec.CHUNK // 7]))  # up to several chunks
-    mode = draw(st.sampled_from(["hf", "bits", "equal", "specials"]))
+    n = min(n, max_n or n)
+    mode = draw(st.sampled_from(["hf", "bits", "equal", "specials", "spread"]))
     seed = draw(st.integers(0, 2**16))
     if mode == "bits" or not dtype.is_floating_point or dtype == torch.float8_e4m3fn:
         t = random_bits(n, dtype, seed)
     elif mode == "equal":
         # filled in fp32 and cast: torch.full refuses a value out of fp16's range (1e30 becomes inf)
         t = torch.full((n,), draw(st.sampled_from(SPECIALS + [1.0, 0.02]))).to(dtype)
+    elif mode == "spread":  # exponents over `width` values, a share `far` off them: every code width
+        width, far = draw(st.integers(1, 20)), draw(st.sampled_from([0.0, 0.01, 0.2]))
+        gen = torch.Generator().manual_seed(seed)
+        e = torch.randint(-8, -8 + width, (n,), generator=gen).float()
+        e[torch.rand(n, generator=gen) < far] -= 12
+        sign = torch.randint(0, 2, (n,), generator=gen) * 2 - 1
+        t = (torch.exp2(e) * (1 + torch.rand(n, generator=gen)) * sign).to(dtype)
     else:
         t = hf_init(n, dtype, seed)
         if mode == "specials":
@@ -143,6 +156,31 @@ def test_mixed_magnitudes_pick_a_wider_code():
 def test_bad_blob_is_refused():
     with pytest.raises(ValueError, match="magic"):
         codec.decode_group(torch.zeros(256, dtype=torch.uint8), torch.zeros(16, dtype=torch.uint8))
+
+
+def test_a_tensor_at_an_unaligned_offset_is_refused():
+    with pytest.raises(ValueError, match="multiples of 16"):
+        codec.encode_group([(hf_init(4000), 8)], 8008)
+
+
+def _interpreted(check: str) -> None:
+    """Run `check` of tests/interpreted_codec.py in a fresh Python with TRITON_INTERPRET=1: Triton's
+    interpreter runs the GPU decoder's own code on the CPU (Triton reads the variable when it is first
+    imported, and this process imported it already for torch.compile)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
+    run = subprocess.run([sys.executable, "-c", f"import interpreted_codec; interpreted_codec.{check}()"],
+                         env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
+def test_the_gpu_kernel_run_by_tritons_interpreter_matches_the_reference():
+    _interpreted("check_random_groups")
+
+
+def test_the_interpreted_kernel_covers_every_kind_and_code_width():
+    _interpreted("check_every_width")
 
 
 @pytest.mark.gpu

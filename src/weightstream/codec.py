@@ -259,6 +259,9 @@ def encode_group(tensors: list[tuple[torch.Tensor, int]], raw_bytes: int,
     the blob is built there (default: on the CPU)."""
     segments, cursor_chunks = [], 0
     for tensor, dst in tensors:
+        if dst % _ALIGN:  # the GPU decoder writes whole aligned words (layout.pack aligns to 256)
+            raise ValueError(f"a tensor at byte {dst} of its group: the codec needs offsets that are "
+                             f"multiples of {_ALIGN} (place tensors with weightstream.layout.pack)")
         if device is not None and tensor.dtype in KINDS:
             tensor = tensor.to(device)
         coding = choose(tensor)

@@ -177,7 +177,9 @@ class OffloadHandle:
         """After group `group` computed: start the copy of the next group that uses its slot."""
         plan = self._schedule.on_release(group, self._capturing)
         if plan.copy is not None:
-            self._transfer.start_copy(*plan.copy, self._schedule.after(plan.copy[1], self._capturing))
+            slot, g = plan.copy
+            self._transfer.start_copy(slot, g)
+            self._transfer.copy_ahead(self._schedule.after(g, self._capturing))
         if plan.join:
             self._transfer.join()
         self._leave()

@@ -37,14 +37,15 @@ class SyncTransfer:
         """`group`'s bytes in its layout (uint8): its arena region, or read from disk."""
         return self.disk.load(group) if self.on_disk(group) else self.arena.region(group)
 
-    def start_copy(self, slot: int, group: int, then: int | None = None) -> None:
-        """Fill `slot` with `group` (here: at once). `then`: the group expected next into `slot`
-        (`Schedule.after`), which a compressed transfer may start moving early."""
+    def start_copy(self, slot: int, group: int) -> None:
+        """Fill `slot` with `group` (here: at once). The engine follows each call with
+        `copy_ahead(Schedule.after(group))`."""
         self._copy(slot, group)
 
     def copy_ahead(self, then: int | None) -> None:
-        """Start moving `then`'s bytes towards the GPU before its slot is free, where the transfer has
-        somewhere to put them (compressed groups: a free landing buffer; here: nowhere)."""
+        """Start moving `then`'s bytes (the group expected next into a slot just filled) towards the
+        GPU before its slot is free, where the transfer has somewhere to put them (compressed groups: a
+        free landing buffer; here: nowhere)."""
 
     def forget(self) -> None:
         """Whatever the transfer staged beyond the slots (landing buffers) changed behind the host's
@@ -123,7 +124,7 @@ class CudaTransfer(SyncTransfer):
                 "CUDA graph capture needs pinned host memory: offload with pin_memory=True (the default)"
             )
 
-    def start_copy(self, slot: int, group: int, then: int | None = None) -> None:
+    def start_copy(self, slot: int, group: int) -> None:
         """Start copying `group` into `slot` on the copy stream once compute has released the slot."""
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):

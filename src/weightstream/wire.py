@@ -145,7 +145,7 @@ class CodedSyncTransfer(SyncTransfer):
     def forget(self) -> None:
         self.landings.forget()
 
-    def start_copy(self, slot: int, group: int, then: int | None = None) -> None:
+    def start_copy(self, slot: int, group: int) -> None:
         enc = self.wire[group]
         if enc is None:
             super().start_copy(slot, group)
@@ -159,7 +159,6 @@ class CodedSyncTransfer(SyncTransfer):
             if land:
                 self.landing[buffer][: enc.wire_bytes].copy_(self.arena.region(group))
             codec.decode_group(self.landing[buffer][: enc.wire_bytes], self.slots[slot])
-        self.copy_ahead(then)
 
     def copy_ahead(self, then: int | None) -> None:
         buffer = self.landings.ahead(then)
@@ -214,14 +213,13 @@ class CodedCudaTransfer(CudaTransfer):
     def forget(self) -> None:
         self.landings.forget()
 
-    def start_copy(self, slot: int, group: int, then: int | None = None) -> None:
+    def start_copy(self, slot: int, group: int) -> None:
         """Decode `group` into `slot` on the decode stream once compute has released the slot and its
         blob has landed (copied now into its landing buffer once that buffer's last decode has
-        finished, unless it was copied ahead); then `copy_ahead(then)`."""
+        finished, unless it was copied ahead)."""
         enc = self.wire[group]
         if enc is None:
             super().start_copy(slot, group)
-            self.copy_ahead(then)
             return
         capturing = torch.cuda.is_current_stream_capturing()
         compute = torch.cuda.current_stream(self.device)
@@ -239,7 +237,6 @@ class CodedCudaTransfer(CudaTransfer):
         self.decoded_in_capture[buffer] = capturing
         self.ready[slot].record(self.decode_stream)
         self.ready_in_capture[slot] = capturing
-        self.copy_ahead(then)
 
     def copy_ahead(self, then: int | None) -> None:
         """Start copying `then`'s blob into its landing buffer (after the buffer's last decode) where
