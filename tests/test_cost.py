@@ -1,5 +1,7 @@
 """The cost model against hand-computed schedules."""
 
+import dataclasses
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -158,3 +160,30 @@ def test_compressed_prediction_lies_between_its_bounds(sizes, streamed_mask, rat
     assert p.ms >= p.link_ms - tol
     assert p.ms >= p.compute_ms + decode_ms - tol
     assert p.ms <= p.link_ms + p.compute_ms + decode_ms + tol
+
+
+@settings(max_examples=40, deadline=None)
+@given(sizes=st.lists(st.lists(st.integers(1, 1 << 20), min_size=1, max_size=4), min_size=1, max_size=5),
+       part=st.integers(0, 4), ratio=st.floats(0.1, 1.0), tokens=st.sampled_from([1, 64, 4096]))
+def test_what_the_cost_remembers_matches_a_fresh_cost(sizes, part, ratio, tokens):
+    # the planner asks a ModelCost for the same blocks thousands of times and it remembers the answers:
+    # they must be what a fresh cost computes, a copy with other fields must not see the old answers,
+    # and another profile must get its own block times
+    def cost(r):
+        return ModelCost(100, 50, tuple(map(sum, sizes)), width=64, tensor_bytes=tuple(map(tuple, sizes)),
+                         tensor_wire=tuple(tuple(int(n * r) + 1 for n in t) for t in sizes))
+
+    def answers(c, profile):
+        blocks = range(len(sizes))
+        return ([c.streamed_bytes(b, part) for b in blocks], [c.wire_bytes(b, part) for b in blocks],
+                [c.staging(b, part) for b in blocks], c.block_seconds(tokens, profile),
+                predict(c, tuple(blocks), 1, (), tokens, profile, part, True, 2))
+
+    slow = dataclasses.replace(PROFILE, resident={m: 2 * v for m, v in PROFILE.resident.items()})
+    used = cost(ratio)
+    first = answers(used, PROFILE)
+    assert answers(used, PROFILE) == first == answers(cost(ratio), PROFILE)
+    other = dataclasses.replace(used, tensor_wire=cost(ratio / 2).tensor_wire)
+    assert answers(other, PROFILE) == answers(cost(ratio / 2), PROFILE)
+    assert answers(used, slow) == answers(cost(ratio), slow)
+    assert answers(used, slow)[3] != first[3]

@@ -5,6 +5,7 @@ checked against brute force over every combination of placements."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
@@ -14,9 +15,9 @@ from hypothesis import strategies as st
 
 import weightstream as ws
 from weightstream.cost import ModelCost
-from weightstream.errors import BudgetError, OffloadStateError
+from weightstream.errors import ArgumentError, BudgetError, OffloadStateError
 from weightstream.pipeline import PipelineHandle, front, modules_of, split_budget
-from weightstream.plan import _candidates, placement_of
+from weightstream.plan import _candidates, landing_options, placement_of
 from weightstream.probe import H200
 
 pytest.importorskip("diffusers")
@@ -34,19 +35,22 @@ def tokenizer(max_len: int):
                                    eos_token="[EOS]", model_max_length=max_len)
 
 
-def tiny_flux_pipeline(seed: int = 0):
+def tiny_flux_pipeline(seed: int = 0, width: int = 16):
+    """A FluxPipeline of tiny random models; `width` 64 in bf16 gives tensors the codec shrinks."""
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
     torch.manual_seed(seed)
-    clip = CLIPTextModel(CLIPTextConfig(vocab_size=16, hidden_size=16, intermediate_size=32,
+    w = width
+    clip = CLIPTextModel(CLIPTextConfig(vocab_size=16, hidden_size=w, intermediate_size=4 * w,
                                         num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=8,
                                         projection_dim=8, eos_token_id=2, pad_token_id=0, bos_token_id=1))
-    t5 = T5EncoderModel(T5Config(vocab_size=16, d_model=16, d_kv=4, d_ff=32, num_layers=2, num_heads=2,
+    t5 = T5EncoderModel(T5Config(vocab_size=16, d_model=w, d_kv=w // 2, d_ff=4 * w, num_layers=2, num_heads=2,
                                  pad_token_id=0, eos_token_id=2))
     transformer = FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=2, num_single_layers=2,
-                                         attention_head_dim=8, num_attention_heads=2, joint_attention_dim=16,
-                                         pooled_projection_dim=16, axes_dims_rope=(2, 2, 4))
+                                         attention_head_dim=w // 2, num_attention_heads=2,
+                                         joint_attention_dim=w, pooled_projection_dim=w,
+                                         axes_dims_rope=(w // 8, w // 8, w // 4))
     vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8, 16),
                         down_block_types=("DownEncoderBlock2D",) * 2,
                         up_block_types=("UpDecoderBlock2D",) * 2,
@@ -112,6 +116,40 @@ def test_whole_pipeline_offloaded_is_exact_and_restores(reference, strategy):
     ws.offload(pipe, gpu_memory=budget, device="cpu").restore()  # offloadable again once restored
 
 
+@pytest.fixture(scope="module")
+def wide_reference():
+    pipe = tiny_flux_pipeline(width=64).to(dtype=torch.bfloat16)
+    return generate(pipe), state(pipe)
+
+
+def test_a_compressed_pipeline_is_exact_and_its_groups_cross_the_link_smaller(wide_reference):
+    image, before = wide_reference
+    pipe = tiny_flux_pipeline(width=64).to(dtype=torch.bfloat16)
+    with pytest.raises(BudgetError) as err:  # slots and landing buffers of every component do not fit
+        ws.offload(pipe, gpu_memory=total_bytes(pipe) // 2, device="cpu", strategy="stream", compress=True)
+    budget = err.value.minimum_bytes  # one slot and one landing buffer each
+    handle = ws.offload(pipe, gpu_memory=budget, device="cpu", strategy="stream", compress=True)
+    stats = handle.stats
+    assert stats.gpu_bytes <= budget  # landing buffers included
+    for name, placement in handle.placements.items():
+        assert placement.streamed and placement.compressed, name  # every component's groups shrink
+        s = stats.components[name]
+        assert s.wire_ratio < 1 and s.wire_bytes < s.wire_raw_bytes, name
+    assert "ratio" in str(stats)
+    for _ in range(2):
+        assert torch.equal(generate(pipe), image)
+    handle.restore()
+    after = state(pipe)
+    assert all(torch.equal(after[k], before[k]) for k in before)
+    # "auto" on the CPU backend streams raw (no link to save), as offload() of one model does
+    handle = ws.offload(pipe, gpu_memory=budget, device="cpu", strategy="stream")
+    assert not any(p.compressed for p in handle.placements.values())
+    assert torch.equal(generate(pipe), image)
+    handle.restore()
+    with pytest.raises(ArgumentError, match="compress="):
+        ws.offload(pipe, gpu_memory=budget, device="cpu", compress="yes")
+
+
 def test_a_budget_below_the_minimum_says_what_would_fit():
     pipe = tiny_flux_pipeline()
     with pytest.raises(BudgetError) as err:
@@ -165,6 +203,62 @@ def test_the_split_is_the_fastest_combination_that_fits(blocks, calls, tokens, s
     assert got == pytest.approx(best, rel=1e-12)
 
 
+def forms(cost: ModelCost, tokens: int, compress) -> list:
+    """Every placement a component may get: each candidate raw and, where compression is considered,
+    compressed with each landing-buffer option; True drops a candidate's raw form where it has a
+    compressed one."""
+    out = []
+    for s, u, k, p in _candidates(len(cost.block_bytes), "auto", 2, 2):
+        coded = [placement_of(cost, s, k, u, p, tokens, H200, compressed=True, landing_buffers=b)
+                 for b in landing_options(k, len(s))] if s and compress is not False else []
+        coded = [c for c in coded if c is not None]
+        if not coded or compress is not True:
+            out.append(placement_of(cost, s, k, u, p, tokens, H200))
+        out += coded
+    return out
+
+
+@settings(max_examples=25, deadline=None)
+@given(blocks=st.lists(st.tuples(st.integers(1, 3), st.integers(1, 64), st.integers(0, 40),
+                                 st.floats(0.3, 1.2)), min_size=1, max_size=2),
+       calls=st.lists(st.integers(1, 30), min_size=2, max_size=2),
+       tokens=st.sampled_from([1, 256, 4096]), share=st.floats(0.0, 1.0))
+def test_a_split_with_compression_is_the_fastest_combination_that_fits(blocks, calls, tokens, share):
+    # each block has two tensors whose predicted wire size is `ratio` of their bytes (over 1: they do
+    # not shrink, so the component streams raw)
+    costs = {f"c{i}": dataclasses.replace(block_cost(n, size << 16, fixed << 12),
+                                          tensor_wire=((int((size << 15) * ratio),) * 2,) * n)
+             for i, (n, size, fixed, ratio) in enumerate(blocks)}
+    call = {name: calls[i] for i, name in enumerate(costs)}
+    tok = dict.fromkeys(costs, tokens)
+    every = {c: {name: forms(cost, tokens, c) for name, cost in costs.items()} for c in (False, True, "auto")}
+    lo = sum(min(p.gpu_bytes for p in ps) for ps in every[True].values())
+    hi = sum(max(p.gpu_bytes for p in ps) for ps in every["auto"].values())
+    budget = int(lo + share * (hi - lo))
+    got = {}
+    for compress, everything in every.items():
+        try:
+            plans = split_budget(costs, budget, call, tok, H200, compress=compress)
+        except BudgetError:
+            combos = itertools.product(*everything.values())
+            assert all(sum(p.gpu_bytes for p in combo) > budget for combo in combos)
+            continue
+        assert sum(p.placement.gpu_bytes for p in plans.values()) <= budget  # landing buffers included
+        for name, plan in plans.items():
+            p = plan.placement
+            assert p.compressed <= (compress is not False)
+            if compress is True and p.streamed:  # compressed wherever this candidate's groups shrink
+                coded = placement_of(costs[name], p.streamed, p.n_slots, p.uva, p.part, tokens, H200,
+                                     compressed=True)
+                assert p.compressed or coded is None
+        got[compress] = sum(p.generation_ms for p in plans.values())
+        best = min(sum(call[n] * p.prediction.ms for n, p in zip(costs, combo, strict=True))
+                   for combo in itertools.product(*everything.values())
+                   if sum(p.gpu_bytes for p in combo) <= budget)
+        assert got[compress] == pytest.approx(best, rel=1e-12)
+    assert "auto" in got and got["auto"] <= min(got.values()) * (1 + 1e-12)  # auto considers both
+
+
 def test_plan_shows_the_per_component_placement_of_a_pipeline_folder(tmp_path, capsys):
     import json
 
@@ -184,3 +278,30 @@ def test_plan_shows_the_per_component_placement_of_a_pipeline_folder(tmp_path, c
     handle.restore()
     assert main(["plan", str(tmp_path), "--gpu-memory", str(budget)]) == 0
     assert "transformer" in capsys.readouterr().out
+
+
+def test_plan_of_a_pipeline_folder_shows_compressed_components(tmp_path, capsys):
+    import json
+
+    from weightstream.cli import main
+
+    pipe = tiny_flux_pipeline(width=64).to(dtype=torch.bfloat16)
+    pipe.save_pretrained(tmp_path)
+    budget = total_bytes(pipe) * 3 // 4
+    args = ["plan", str(tmp_path), "--gpu-memory", str(budget), "--strategy", "stream"]
+    assert main(args + ["--compress", "true", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["gpu_bytes"] <= budget and report["compress"] is True
+    streaming = {name: c for name, c in report["components"].items() if c["streamed_blocks"]}
+    assert "transformer" in streaming
+    for name, c in streaming.items():  # predicted for Hugging Face-initialized weights: they all shrink
+        assert c["compressed"] and c["landing_buffers"] >= 1 and c["landing_bytes"] > 0, name
+        assert 0 < c["wire_bytes"] < c["wire_raw_bytes"], name
+    raw = ["--compress", "false", "--json"]
+    assert main(args + raw) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert not any(c["compressed"] or c["landing_bytes"] for c in report["components"].values())
+    assert all(c["wire_bytes"] == c["wire_raw_bytes"] for c in report["components"].values())
+    assert main(args + ["--compress", "true"]) == 0
+    text = capsys.readouterr().out
+    assert "transformer" in text and "compressed (landing buffers" in text and "predicted for Hugging" in text

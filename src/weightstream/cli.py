@@ -76,16 +76,13 @@ def _run(args: argparse.Namespace) -> int:
         import json
         import os
 
-        from .errors import ArgumentError
         from .pipeline import format_pipeline_plan, plan_pipeline
         from .planview import format_report, plan_report
 
         pipeline = os.path.isfile(os.path.join(args.model, "model_index.json"))  # a diffusers pipeline folder
         compress = {"auto": "auto", "true": True, "false": False}[args.compress]
-        if pipeline and compress is True:
-            raise ArgumentError("--compress: offload(pipeline) streams its components raw for now; "
-                                "plan a pipeline without --compress")
-        report = (plan_pipeline(args.model, args.gpu_memory, args.steps, args.strategy) if pipeline
+        report = (plan_pipeline(args.model, args.gpu_memory, args.steps, args.strategy, compress=compress)
+                  if pipeline
                   else plan_report(args.model, args.gpu_memory, args.tokens, args.strategy, dtype=args.dtype,
                                    cpu_memory=args.cpu_memory, compress=compress))
         text = format_pipeline_plan(report) if pipeline else format_report(report)

@@ -16,12 +16,14 @@ reads only those bytes over the link, while a copy must move every expert (the r
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from .layout import pack
 from .probe import MachineProfile
 
 
+@functools.lru_cache(maxsize=1 << 16)  # the planner asks for the same blocks' tensors many times
 def largest(sizes: tuple[int, ...], part: int) -> tuple[int, ...]:
     """Positions of the `part` largest of `sizes` (ties: the earlier one), in position order; all of
     them when part is 0 or at least len(sizes). In a transformer block the largest tensors are the
@@ -52,6 +54,25 @@ class ModelCost:
     # each streamable tensor's predicted bytes on the wire when compressed (codec.choose), in the order
     # of tensor_bytes; (): compression not considered
     tensor_wire: tuple[tuple[int, ...], ...] = ()
+    @property
+    def _memo(self) -> dict:
+        """What the methods below computed, by (method, arguments): the planner costs thousands of
+        candidates over the same blocks. Kept beside the fields, not one of them: `dataclasses.replace`
+        and unpickling start without it."""
+        return self.__dict__.setdefault("_computed", {})
+
+    def block_seconds(self, tokens: int, profile: MachineProfile) -> tuple[float, ...]:
+        """Each block's seconds with its weights on the device (`resident_seconds` plus the profile's
+        time outside the GEMMs for this width), at `tokens` tokens per forward."""
+        key = ("block_seconds", tokens, id(profile))
+        hit = self._memo.get(key)
+        if hit is not None and hit[0] is profile:  # the same profile object (not a reused id)
+            return hit[1]
+        extra = profile.block_extra_seconds(self.width, tokens)
+        seconds = tuple(self.resident_seconds(b, tokens, profile) + extra
+                        for b in range(len(self.block_bytes)))
+        self._memo[key] = (profile, seconds)
+        return seconds
 
     def reads(self, block: int, tokens: int) -> tuple[tuple[float, float], ...]:
         """(bytes, tokens) of the GEMMs of `block` at `tokens` tokens per forward: its dense bytes at
@@ -83,21 +104,31 @@ class ModelCost:
         """Bytes of `block` that stream when its `part` largest tensors do (0: the whole block)."""
         if not part or not self.tensor_bytes:
             return self.block_bytes[block]
-        sizes = self.tensor_bytes[block]
-        return sum(sizes[i] for i in largest(sizes, part))
+        key = ("streamed", block, part)
+        if key not in self._memo:
+            sizes = self.tensor_bytes[block]
+            self._memo[key] = sum(sizes[i] for i in largest(sizes, part))
+        return self._memo[key]
 
     def wire_bytes(self, block: int, part: int = 0) -> int:
         """Predicted bytes on the wire of `block` compressed (its `part` largest tensors; 0: all)."""
         if not self.tensor_wire:
             return self.streamed_bytes(block, part)
-        wire = self.tensor_wire[block]
-        return sum(wire[i] for i in largest(self.tensor_bytes[block], part)) + 64  # + header
+        key = ("wire", block, part)
+        if key not in self._memo:
+            wire = self.tensor_wire[block]
+            self._memo[key] = sum(wire[i] for i in largest(self.tensor_bytes[block], part)) + 64  # + header
+        return self._memo[key]
 
     def staging(self, block: int, part: int = 0) -> int:
         """Bytes a slot needs to stage `block` (its `part` largest tensors; 0: all of it)."""
         if part and self.tensor_bytes:
-            sizes = [self.tensor_bytes[block][i] for i in largest(self.tensor_bytes[block], part)]
-            return pack(sizes)[1] if self.slot_bytes else sum(sizes)  # aligned like slot_bytes, or not
+            key = ("staging", block, part)
+            if key not in self._memo:
+                sizes = [self.tensor_bytes[block][i] for i in largest(self.tensor_bytes[block], part)]
+                # aligned like slot_bytes, or not
+                self._memo[key] = pack(sizes)[1] if self.slot_bytes else sum(sizes)
+            return self._memo[key]
         return self.slot_bytes[block] if self.slot_bytes else self.block_bytes[block]
 
 
@@ -136,6 +167,7 @@ def predict(
     reached the group, and compute waits for it."""
     group_of = {block: g for g, block in enumerate(streamed)}
     extra = profile.block_extra_seconds(model.width, tokens)  # every block, wherever its weights are
+    on_device = model.block_seconds(tokens, profile)  # each block's seconds, its weights resident
     uva_set = set(uva)
     n = len(streamed)
     n_buffers = n_landing or (2 if n_slots == 1 and n > 1 else n_slots)
@@ -184,12 +216,11 @@ def predict(
             decoded[g] = compute = decode
         elif g is not None:
             compute = max(compute, landed[g])
-        compute += model.resident_seconds(block, tokens, profile) + extra
+        compute += on_device[block]
         if g is not None:
             released[g] = compute
             if not compressed and g + n_slots < n:
                 land(g + n_slots, compute)  # released: the next group of this slot
     compute += profile.resident_seconds(model.head_bytes, tokens)
-    resident = sum(model.resident_seconds(b, tokens, profile) + extra for b in range(len(model.block_bytes)))
-    resident += profile.resident_seconds(model.head_bytes, tokens)
+    resident = sum(on_device) + profile.resident_seconds(model.head_bytes, tokens)
     return Prediction(compute * 1e3, resident * 1e3, link * 1e3, "link" if link >= resident else "compute")

@@ -20,7 +20,7 @@ from torch import nn
 from . import guards, ops, replay
 from .disk import DiskTier
 from .entries import _set_tensor
-from .errors import ArgumentError, OffloadStateError
+from .errors import OffloadStateError
 from .host import HostArena
 from .plan import Placement
 from .prepare import Prepared, _plain, _resolve_device, final_places, prepare
@@ -391,11 +391,8 @@ def offload(
     from .pipeline import is_pipeline, offload_pipeline
 
     if is_pipeline(model):  # a diffusers pipeline: one budget over its components (pipeline.py)
-        if compress is True:
-            raise ArgumentError("compress=True: offload(pipeline) streams its components raw for now; "
-                                "leave compress at 'auto' (raw for a pipeline) or offload a component alone "
-                                "with compress=True")
-        return offload_pipeline(model, gpu_memory, device=device, pin_memory=pin_memory, strategy=strategy)
+        return offload_pipeline(model, gpu_memory, device=device, pin_memory=pin_memory, strategy=strategy,
+                                compress=compress)
     prep = prepare(model, gpu_memory, device, blocks, strategy=strategy, tokens=tokens,
                    pin_memory=pin_memory, profile=profile, placement=placement,
                    compress=compress)

@@ -22,9 +22,9 @@ import torch
 from torch import nn
 
 from .cost import ModelCost
-from .errors import BudgetError, OffloadStateError
+from .errors import ArgumentError, BudgetError, OffloadStateError
 from .offload import OffloadHandle, OffloadStats, offload, prepare
-from .plan import STRATEGIES, Placement, _candidates, placement_of
+from .plan import STRATEGIES, Placement, _candidates, landing_options, placement_of
 from .probe import MachineProfile, load_profile
 from .sizes import format_size, parse_size
 
@@ -59,13 +59,24 @@ class ComponentPlan:
         return self.calls * self.placement.prediction.ms
 
 
-def front(cost: ModelCost, tokens: int, profile: MachineProfile, strategy: str) -> list[Placement]:
+def front(cost: ModelCost, tokens: int, profile: MachineProfile, strategy: str,
+          compress: bool | str = False) -> list[Placement]:
     """The Pareto front of a component's placements: sorted by GPU bytes, each faster than every
-    smaller one (predicted ms per call)."""
+    smaller one (predicted ms per call). compress: False considers raw groups only; "auto" each
+    candidate raw and compressed (every landing-buffer option) where its groups shrink
+    (`cost.tensor_wire`, else raw only); True the compressed form of every candidate whose groups
+    shrink, and the raw form of the others only."""
     n = len(cost.block_bytes)
     max_part = max((len(t) for t in cost.tensor_bytes), default=0)
-    points = [placement_of(cost, s, k, u, part, tokens, profile)
-              for s, u, k, part in _candidates(n, strategy, 2, max_part)]
+    coded = bool(cost.tensor_wire) and compress is not False
+    points = []
+    for s, u, k, part in _candidates(n, strategy, 2, max_part):
+        forms = [placement_of(cost, s, k, u, part, tokens, profile, compressed=True, landing_buffers=b)
+                 for b in landing_options(k, len(s))] if coded and s else []
+        forms = [p for p in forms if p is not None]
+        if not forms or compress is not True:
+            forms.append(placement_of(cost, s, k, u, part, tokens, profile))
+        points += forms
     points.sort(key=lambda p: (p.gpu_bytes, p.prediction.ms))
     kept: list[Placement] = []
     for p in points:
@@ -75,11 +86,13 @@ def front(cost: ModelCost, tokens: int, profile: MachineProfile, strategy: str) 
 
 
 def split_budget(costs: dict[str, ModelCost], budget: int, calls: dict[str, int], tokens: dict[str, int],
-                 profile: MachineProfile, strategy: str = "auto") -> dict[str, ComponentPlan]:
+                 profile: MachineProfile, strategy: str = "auto",
+                 compress: bool | str = False) -> dict[str, ComponentPlan]:
     """One placement per component, together within `budget` bytes, minimizing the predicted time of a
-    generation: sum over components of calls x predicted ms per call. Pure logic. Raises BudgetError
+    generation: sum over components of calls x predicted ms per call. compress: as for `front` (a
+    component streams compressed only where its cost has wire sizes). Pure logic. Raises BudgetError
     with the least budget that fits when none does."""
-    fronts = {name: front(cost, tokens[name], profile, strategy) for name, cost in costs.items()}
+    fronts = {name: front(cost, tokens[name], profile, strategy, compress) for name, cost in costs.items()}
     minimum = sum(f[0].gpu_bytes for f in fronts.values())
     if minimum > budget:
         raise BudgetError(
@@ -164,10 +177,13 @@ def _resolve_calls(names, steps: int, calls: dict[str, int] | None, tokens: dict
     return calls, tokens
 
 
-def component_costs(modules: dict[str, nn.Module], device, allow_meta: bool = False) -> dict[str, ModelCost]:
-    """Each component's cost model view, without planning (a zero placement skips the planner)."""
+def component_costs(modules: dict[str, nn.Module], device, allow_meta: bool = False,
+                    compress: bool | str = False) -> dict[str, ModelCost]:
+    """Each component's cost model view, without planning (a zero placement skips the planner); with
+    each tensor's predicted wire size unless `compress` is False ("auto" is False on the CPU backend,
+    as for `prepare`)."""
     empty = Placement((), 0, 0, 0, 0)
-    return {name: prepare(m, 0, device, allow_meta=allow_meta, placement=empty).cost
+    return {name: prepare(m, 0, device, allow_meta=allow_meta, placement=empty, compress=compress).cost
             for name, m in modules.items()}
 
 
@@ -181,6 +197,7 @@ def offload_pipeline(
     steps: int = DEFAULT_STEPS,
     calls: dict[str, int] | None = None,
     tokens: dict[str, int] | None = None,
+    compress: bool | str = "auto",
 ) -> PipelineHandle:
     """Offload every nn.Module component of a diffusers pipeline in place under one `gpu_memory` budget
     (bytes or "12GiB": resident weights plus staging slots of all components together); return the
@@ -190,9 +207,14 @@ def offload_pipeline(
         per step; every other component once). calls: calls per generation by component name, to
         override that. tokens: tokens per forward by component name (default 4096 for the denoiser,
         a 1024x1024 Flux image; 512 for the rest). strategy, pin_memory, device: as for `offload`.
+    compress: as for `offload`, planned with the rest: "auto" (the default) streams a component's groups
+        compressed where that predicts a faster generation (never on the CPU backend), True wherever
+        they shrink, False never. Landing buffers count in `gpu_memory`.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy={strategy!r}: choose one of {', '.join(STRATEGIES)}")
+    if compress not in (True, False, "auto"):
+        raise ArgumentError(f"compress={compress!r}: choose True, False or 'auto'")
     if getattr(pipe, _PIPE_ATTR, None) is not None:
         raise OffloadStateError("this pipeline is already offloaded: call handle.restore() before offloading "
                                 "again")
@@ -206,15 +228,16 @@ def offload_pipeline(
                                     "(from_pretrained pipelines are in eval mode already)")
         m.requires_grad_(False)  # a pipeline runs under no_grad: gradients are never used
     calls, tokens = _resolve_calls(modules, steps, calls, tokens)
-    costs = component_costs(modules, device)
+    costs = component_costs(modules, device, compress=compress)
     profile = load_profile(torch.device(device) if device is not None else
                            torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-    plans = split_budget(costs, budget, calls, tokens, profile, strategy)
+    plans = split_budget(costs, budget, calls, tokens, profile, strategy, compress)
     handles: dict[str, OffloadHandle] = {}
     try:
         for name, m in modules.items():
             p = plans[name].placement
-            handles[name] = offload(m, p.gpu_bytes, device=device, pin_memory=pin_memory, placement=p)
+            handles[name] = offload(m, p.gpu_bytes, device=device, pin_memory=pin_memory, placement=p,
+                                    compress=p.compressed)
     except BaseException:
         for h in handles.values():
             h.restore()
@@ -260,27 +283,40 @@ def meta_components(folder: str, dtype: torch.dtype = torch.bfloat16) -> dict[st
 
 
 def plan_pipeline(folder: str, gpu_memory: int | str, steps: int = DEFAULT_STEPS,
-                  strategy: str = "auto", profile: MachineProfile | None = None) -> dict:
+                  strategy: str = "auto", profile: MachineProfile | None = None,
+                  compress: bool | str = "auto") -> dict:
     """`weightstream plan` for a pipeline folder: each component's placement under one `gpu_memory`
-    budget (as `offload(pipe, ...)` would split it), its calls per generation and predicted ms; plain
-    data. Components are built in bf16 on the meta device from their configs (no weights read)."""
+    budget (as `offload(pipe, ...)` would split it), its calls per generation, predicted ms and bytes on
+    the wire; plain data. Components are built in bf16 on the meta device from their configs (no
+    weights read), so compressed sizes are predicted for Hugging Face-initialized weights. compress: as
+    for `offload_pipeline` ("auto" plans raw groups on a machine without CUDA)."""
+    if compress not in (True, False, "auto"):
+        raise ArgumentError(f"compress={compress!r}: choose True, False or 'auto'")
     modules = meta_components(folder)
     budget = parse_size(gpu_memory)
     calls, tokens = _resolve_calls(modules, steps, None, None)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     if profile is None:
-        profile = load_profile("cuda" if torch.cuda.is_available() else "cpu")
-    plans = split_budget(component_costs(modules, "cpu", allow_meta=True), budget, calls, tokens, profile,
-                         strategy)
+        profile = load_profile(device)
+    if compress == "auto" and device != "cuda":
+        compress = False  # as offload on the CPU backend: no link to save
+    costs = component_costs(modules, "cpu", allow_meta=True, compress=compress)
+    plans = split_budget(costs, budget, calls, tokens, profile, strategy, compress)
     rows = {}
     for name, p in plans.items():
-        pl = p.placement
+        pl, cost = p.placement, costs[name]
+        raw = sum(cost.streamed_bytes(i, pl.part) for i in pl.streamed)
+        wire = sum(cost.wire_bytes(i, pl.part) for i in pl.streamed) if pl.compressed else raw
         rows[name] = {"class": type(modules[name]).__name__, "calls": p.calls, "tokens": p.tokens,
                       "weight_bytes": pl.resident_bytes + pl.offloaded_bytes, "gpu_bytes": pl.gpu_bytes,
                       "resident_bytes": pl.resident_bytes, "streamed_blocks": len(pl.streamed),
                       "zero_copy_blocks": len(pl.uva), "slots": pl.n_slots, "slot_bytes": pl.slot_bytes,
-                      "placement_kind": pl.kind, "ms_per_call": round(pl.prediction.ms, 2),
+                      "placement_kind": pl.kind, "compressed": pl.compressed, "wire_bytes": wire,
+                      "wire_raw_bytes": raw, "landing_buffers": pl.n_landing,
+                      "landing_bytes": pl.landing_bytes,
+                      "ms_per_call": round(pl.prediction.ms, 2),
                       "ms_per_generation": round(p.generation_ms, 1)}
-    return {"pipeline": folder, "budget_bytes": budget, "steps": steps,
+    return {"pipeline": folder, "budget_bytes": budget, "steps": steps, "compress": compress,
             "profile": {"gpu": profile.gpu, "h2d_GBps": round(profile.h2d_GBps, 1)},
             "gpu_bytes": sum(r["gpu_bytes"] for r in rows.values()),
             "predicted_ms_per_generation": round(sum(p.generation_ms for p in plans.values()), 1),
@@ -288,16 +324,24 @@ def plan_pipeline(folder: str, gpu_memory: int | str, steps: int = DEFAULT_STEPS
 
 
 def format_pipeline_plan(r: dict) -> str:
-    """A readable table of `plan_pipeline`'s result."""
+    """A readable table of `plan_pipeline`'s result: per component its placement and, for what streams,
+    the bytes one call moves over the link ("wire": compressed blobs, or the raw groups) and the ratio."""
     lines = [f"{r['pipeline']}: budget {format_size(r['budget_bytes'])} for all components, {r['steps']} "
              f"steps, on {r['profile']['gpu']} ({r['profile']['h2d_GBps']} GB/s host->GPU)",
              f"{'component':16}{'calls':>6}{'weights':>12}{'on GPU':>12}{'streamed':>9}{'zero copy':>10}"
-             f"{'ms/call':>10}{'ms/gen':>10}  strategy"]
+             f"{'wire/call':>12}{'ratio':>7}{'ms/call':>10}{'ms/gen':>10}  strategy"]
     for name, c in r["components"].items():
+        ratio = c["wire_bytes"] / c["wire_raw_bytes"] if c["wire_raw_bytes"] else 1.0
+        kind = c["placement_kind"] + (f", compressed (landing buffers {c['landing_buffers']} x "
+                                      f"{format_size(c['landing_bytes'])})" if c["compressed"] else "")
         lines.append(f"{name:16}{c['calls']:>6}{format_size(c['weight_bytes']):>12}"
-                     f"{format_size(c['gpu_bytes']):>12}{c['streamed_blocks']:>9}{c['zero_copy_blocks']:>10}{c['ms_per_call']:>10.1f}"
-                     f"{c['ms_per_generation']:>10.1f}  {c['placement_kind']}")
-    lines.append(f"GPU memory for weights: {format_size(r['gpu_bytes'])}; predicted "
-                 f"{r['predicted_ms_per_generation']:.0f} ms per generation (denoiser steps plus one call of "
-                 "each other component; the VAE's convolutions are costed as GEMMs, a rough guess)")
+                     f"{format_size(c['gpu_bytes']):>12}{c['streamed_blocks']:>9}{c['zero_copy_blocks']:>10}"
+                     f"{format_size(c['wire_bytes']):>12}{ratio:>7.3f}{c['ms_per_call']:>10.1f}"
+                     f"{c['ms_per_generation']:>10.1f}  {kind}")
+    lines.append(f"GPU memory for weights: {format_size(r['gpu_bytes'])} (landing buffers included); "
+                 f"predicted {r['predicted_ms_per_generation']:.0f} ms per generation (denoiser steps plus "
+                 "one call of each other component; the VAE's convolutions are costed as GEMMs, a rough "
+                 "guess)")
+    if r["compress"] is not False:
+        lines.append("compressed sizes are predicted for Hugging Face-initialized weights; real ones differ")
     return "\n".join(lines)
