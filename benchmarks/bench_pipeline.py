@@ -19,7 +19,8 @@ generation of `--warmup-steps` untimed (learns the run order, warms the kernels)
 | method | what it does to the pipeline |
 | --- | --- |
 | `resident` | every weight on the GPU: the reference of every output (skipped where it does not fit) |
-| `weightstream` | `ws.offload(pipe, gpu_memory=--gpu-memory)`: one budget for all four models |
+| `weightstream` | `ws.offload(pipe, gpu_memory=..., compress=...)`: one budget for all four models |
+| `weightstream-raw` | the same with `compress=False` (with `--raw-too`) |
 | `diffusers-group` | block-level group offloading (1 block a group, `use_stream=True`), see below |
 | `diffusers-model_cpu_offload` | `pipe.enable_model_cpu_offload()`: each model moved whole to the GPU |
 | `diffusers-sequential_cpu_offload` | `pipe.enable_sequential_cpu_offload()`: leaf by leaf, pageable |
@@ -130,15 +131,24 @@ def setup_resident(pipe, args, device):
     return {}, lambda: None
 
 
-def setup_weightstream(pipe, args, device):
-    handle = ws.offload(pipe, gpu_memory=args.gpu_memory, device=device, strategy=args.strategy)
-    info = {"stats": str(handle.stats),
+def setup_weightstream(pipe, args, device, compress=None):
+    compress = args.compress if compress is None else compress
+    handle = ws.offload(pipe, gpu_memory=args.gpu_memory, device=device, strategy=args.strategy,
+                        compress=compress)
+    stats = handle.stats.components
+    info = {"stats": str(handle.stats), "compress": compress,
             "components": {n: {"gpu_bytes": p.gpu_bytes, "resident_bytes": p.resident_bytes,
                                "offloaded_bytes": p.offloaded_bytes, "streamed_blocks": len(p.streamed),
-                               "slots": p.n_slots, "kind": p.kind}
+                               "slots": p.n_slots, "kind": p.kind, "compressed": p.compressed,
+                               "landing_bytes": p.landing_bytes, "landing_buffers": p.n_landing,
+                               "wire_bytes": stats[n].wire_bytes, "wire_raw_bytes": stats[n].wire_raw_bytes}
                            for n, p in handle.placements.items()},
             "predicted_ms": handle.stats.predicted_ms}
     return info, lambda: handle.restore(device)
+
+
+def setup_weightstream_raw(pipe, args, device):
+    return setup_weightstream(pipe, args, device, compress=False)
 
 
 def setup_group(pipe, args, device):
@@ -164,7 +174,8 @@ def setup_sequential(pipe, args, device):
     return {}, pipe.remove_all_hooks
 
 
-SETUPS = {"resident": setup_resident, "weightstream": setup_weightstream, "diffusers-group": setup_group,
+SETUPS = {"resident": setup_resident, "weightstream": setup_weightstream,
+          "weightstream-raw": setup_weightstream_raw, "diffusers-group": setup_group,
           "diffusers-model_cpu_offload": setup_model_cpu_offload,
           "diffusers-sequential_cpu_offload": setup_sequential}
 
@@ -292,6 +303,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    "extrapolated method is timed on")
     p.add_argument("--size", type=int, default=None, help="image side (default 1024; --tiny: 16)")
     p.add_argument("--strategy", default="auto", help="weightstream's strategy: auto, stream or uva")
+    p.add_argument("--compress", default="auto", choices=["auto", "true", "false"],
+                   help="weightstream's compress= (default auto: compressed where predicted faster)")
+    p.add_argument("--raw-too", action="store_true",
+                   help="also run weightstream with compress=False (method weightstream-raw)")
     p.add_argument("--peers", default=",".join(PEERS), help=f"comma list of {', '.join(PEERS)}, or none")
     p.add_argument("--max-seconds", type=float, default=420.0, help="wall budget of the whole run (s)")
     p.add_argument("--min-start-seconds", type=float, default=20.0,
@@ -302,6 +317,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     args.steps = args.steps or (2 if args.tiny else 28)
     args.warmup_steps = min(args.warmup_steps or (1 if args.tiny else 3), args.steps)
     args.size = args.size or (16 if args.tiny else 1024)
+    args.compress = {"auto": "auto", "true": True, "false": False}[args.compress]
     peers = [] if args.peers in ("", "none") else args.peers.split(",")
     unknown = sorted(set(peers) - set(PEERS))
     if unknown:
@@ -334,7 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     args.gpu_memory = ws.parse_size(args.gpu_memory or (total // 2 if args.tiny else "16GiB"))
     log(f"built on {device} in {time.perf_counter() - t0:.1f} s: {fmt_gib(total)} of weights "
         f"({', '.join(f'{n} {fmt_gib(b)}' for n, b in weights.items())}); budget {fmt_gib(args.gpu_memory)}")
-    methods = ["resident", "weightstream", *args.peer_list]
+    methods = ["resident", "weightstream", *(["weightstream-raw"] if args.raw_too else []), *args.peer_list]
     rows, refs = [], {}
     for method in methods:
         gpu_total = torch.cuda.mem_get_info(device)[1] if device.type == "cuda" else None
@@ -357,7 +373,8 @@ def main(argv: list[str] | None = None) -> int:
            "transformers": version_of("transformers"), "accelerate": version_of("accelerate"),
            "h2d_bandwidth_GBps": bandwidth,
            "config": {"name": name, "steps": args.steps, "warmup_steps": args.warmup_steps, "size": args.size,
-                      "budget_bytes": args.gpu_memory, "strategy": args.strategy, "seed": args.seed,
+                      "budget_bytes": args.gpu_memory, "strategy": args.strategy,
+                      "compress": args.compress, "seed": args.seed,
                       "max_seconds": args.max_seconds,
                       "prompt": PROMPT, "t5_tokens": args.t5_tokens},
            "weight_bytes": weights, "wall_s": time.perf_counter() - start, "rows": rows}
@@ -366,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     (out / f"pipeline_{name}.md").write_text(md)
     log(md)
     log.file.close()
-    wrong = [r["method"] for r in rows if r["method"] == "weightstream" and r.get("exact") is False]
+    wrong = [r["method"] for r in rows if r["method"].startswith("weightstream") and r.get("exact") is False]
     return 1 if wrong else 0
 
 

@@ -131,6 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--check", action="store_true",
                    help="first generate with every weight resident; check the offloaded image is identical")
+    p.add_argument("--compress", default="auto", choices=["auto", "true", "false"],
+                   help="stream groups losslessly compressed (default auto: where the planner predicts it "
+                        "faster; never on a CPU)")
     p.add_argument("--out", default=None, help="save the image here (PNG)")
     args = p.parse_args(argv)
     args.steps = args.steps or (2 if args.tiny else 28)
@@ -148,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
         reference, ms = generate(pipe, args, device)
         print(f"resident: {sum(ms):.1f} ms for {len(ms)} steps")
         pipe.to("cpu")
-    handle = ws.offload(pipe, gpu_memory=budget, device=device)  # planned for 28 steps
+    compress = {"auto": "auto", "true": True, "false": False}[args.compress]
+    handle = ws.offload(pipe, gpu_memory=budget, device=device, compress=compress)  # planned for 28 steps
     print(f"{ws.format_size(total)} of weights; {handle.stats}")
     image, ms = generate(pipe, args, device)
     for i, step in enumerate(ms):

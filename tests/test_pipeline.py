@@ -127,6 +127,7 @@ def test_a_compressed_pipeline_is_exact_and_its_groups_cross_the_link_smaller(wi
     pipe = tiny_flux_pipeline(width=64).to(dtype=torch.bfloat16)
     with pytest.raises(BudgetError) as err:  # slots and landing buffers of every component do not fit
         ws.offload(pipe, gpu_memory=total_bytes(pipe) // 2, device="cpu", strategy="stream", compress=True)
+    assert "compress='auto' fits in" in str(err.value)  # what the landing buffers cost
     budget = err.value.minimum_bytes  # one slot and one landing buffer each
     handle = ws.offload(pipe, gpu_memory=budget, device="cpu", strategy="stream", compress=True)
     stats = handle.stats
@@ -148,6 +149,8 @@ def test_a_compressed_pipeline_is_exact_and_its_groups_cross_the_link_smaller(wi
     handle.restore()
     with pytest.raises(ArgumentError, match="compress="):
         ws.offload(pipe, gpu_memory=budget, device="cpu", compress="yes")
+    with pytest.raises(ArgumentError, match="tokens: offload.pipeline. plans every component"):
+        ws.offload(pipe, gpu_memory=budget, device="cpu", tokens=4096)  # one model's argument
 
 
 def test_a_budget_below_the_minimum_says_what_would_fit():
@@ -305,3 +308,29 @@ def test_plan_of_a_pipeline_folder_shows_compressed_components(tmp_path, capsys)
     assert main(args + ["--compress", "true"]) == 0
     text = capsys.readouterr().out
     assert "transformer" in text and "compressed (landing buffers" in text and "predicted for Hugging" in text
+
+
+@pytest.mark.gpu
+def test_a_compressed_pipeline_on_the_gpu_is_exact_and_its_weights_leave_the_gpu():
+    # the split is forced: the reference profile (not this GPU's) and the least budget that holds every
+    # component streaming compressed through one slot and one landing buffer
+    pipe = tiny_flux_pipeline(width=64).to(dtype=torch.bfloat16)
+    pipe.to("cuda")
+    image = generate(pipe)  # the resident pipeline on the GPU
+    pipe.to("cpu")
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    kwargs = dict(device="cuda", strategy="stream", compress=True, profile=ws.REFERENCE_PROFILE)
+    with pytest.raises(BudgetError) as err:
+        ws.offload(pipe, gpu_memory=total_bytes(pipe) // 2, **kwargs)
+    budget = err.value.minimum_bytes
+    handle = ws.offload(pipe, gpu_memory=budget, **kwargs)
+    assert all(p.streamed and p.compressed for p in handle.placements.values())
+    held = torch.cuda.memory_allocated() - before
+    n_tensors = sum(len(m.state_dict()) for m in modules_of(pipe).values())
+    assert held <= budget + 512 * n_tensors  # the streamed bytes left the GPU (allocator rounding aside)
+    assert held < total_bytes(pipe) * 0.9
+    for _ in range(2):
+        assert torch.equal(generate(pipe), image)
+    assert all(s.wire_ratio < 1 for s in handle.stats.components.values())
+    handle.restore()

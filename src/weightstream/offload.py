@@ -20,7 +20,7 @@ from torch import nn
 from . import guards, ops, replay
 from .disk import DiskTier
 from .entries import _set_tensor
-from .errors import OffloadStateError
+from .errors import ArgumentError, OffloadStateError
 from .host import HostArena
 from .plan import Placement
 from .prepare import Prepared, _plain, _resolve_device, final_places, prepare
@@ -386,13 +386,23 @@ def offload(
         never for tensor subclasses, whose groups stream raw). False forces raw groups.
         Outputs stay bit-identical; landing buffers for the compressed bytes count in `gpu_memory`.
 
-    A diffusers pipeline is offloaded as a whole (`pipeline.offload_pipeline`, a `PipelineHandle`).
+    A diffusers pipeline is offloaded as a whole (`pipeline.offload_pipeline`, a `PipelineHandle`):
+    device, pin_memory, strategy, compress and profile apply to every component; blocks, tokens and
+    placement name one model's and are refused (`offload_pipeline(tokens=..., calls=...)` takes them
+    per component).
     """
     from .pipeline import is_pipeline, offload_pipeline
 
     if is_pipeline(model):  # a diffusers pipeline: one budget over its components (pipeline.py)
+        given = [name for name, value, default in (("blocks", blocks, None), ("tokens", tokens, 1),
+                                                  ("placement", placement, None)) if value != default]
+        if given:
+            raise ArgumentError(
+                f"{', '.join(given)}: offload(pipeline) plans every component itself; call "
+                "weightstream.pipeline.offload_pipeline(pipe, ..., tokens={name: n}, calls={name: n}) for "
+                "per-component tokens, or offload one component (pipe.transformer) with these arguments")
         return offload_pipeline(model, gpu_memory, device=device, pin_memory=pin_memory, strategy=strategy,
-                                compress=compress)
+                                compress=compress, profile=profile)
     prep = prepare(model, gpu_memory, device, blocks, strategy=strategy, tokens=tokens,
                    pin_memory=pin_memory, profile=profile, placement=placement,
                    compress=compress)

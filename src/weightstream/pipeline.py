@@ -95,10 +95,17 @@ def split_budget(costs: dict[str, ModelCost], budget: int, calls: dict[str, int]
     fronts = {name: front(cost, tokens[name], profile, strategy, compress) for name, cost in costs.items()}
     minimum = sum(f[0].gpu_bytes for f in fronts.values())
     if minimum > budget:
+        hint = ""
+        if compress is True:  # the landing buffers of every component that shrinks
+            raw = sum(front(cost, tokens[name], profile, strategy, "auto")[0].gpu_bytes
+                      for name, cost in costs.items())
+            hint = (f"; compress=True streams every component whose groups shrink compressed, and their "
+                    f"landing buffers need room: compress='auto' fits in {format_size(raw)}" if raw < minimum
+                    else "")
         raise BudgetError(
             f"gpu_memory={format_size(budget)} cannot hold what the pipeline's models must keep on the GPU "
             f"({', '.join(f'{n} {format_size(f[0].gpu_bytes)}' for n, f in fronts.items())}): give at least "
-            f"{format_size(minimum)} ({minimum} bytes)", minimum)
+            f"{format_size(minimum)} ({minimum} bytes){hint}", minimum)
     combos: list[tuple[int, float, tuple[Placement, ...]]] = [(0, 0.0, ())]
     for name, points in fronts.items():
         merged = [(b + p.gpu_bytes, ms + calls[name] * p.prediction.ms, chosen + (p,))
@@ -198,6 +205,7 @@ def offload_pipeline(
     calls: dict[str, int] | None = None,
     tokens: dict[str, int] | None = None,
     compress: bool | str = "auto",
+    profile: MachineProfile | None = None,
 ) -> PipelineHandle:
     """Offload every nn.Module component of a diffusers pipeline in place under one `gpu_memory` budget
     (bytes or "12GiB": resident weights plus staging slots of all components together); return the
@@ -210,6 +218,8 @@ def offload_pipeline(
     compress: as for `offload`, planned with the rest: "auto" (the default) streams a component's groups
         compressed where that predicts a faster generation (never on the CPU backend), True wherever
         they shrink, False never. Landing buffers count in `gpu_memory`.
+    profile: the machine profile every component is planned with (default: this GPU's, as for
+        `offload`); pass one and the split depends on the arguments alone.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy={strategy!r}: choose one of {', '.join(STRATEGIES)}")
@@ -229,8 +239,9 @@ def offload_pipeline(
         m.requires_grad_(False)  # a pipeline runs under no_grad: gradients are never used
     calls, tokens = _resolve_calls(modules, steps, calls, tokens)
     costs = component_costs(modules, device, compress=compress)
-    profile = load_profile(torch.device(device) if device is not None else
-                           torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    if profile is None:
+        profile = load_profile(torch.device(device) if device is not None else
+                               torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     plans = split_budget(costs, budget, calls, tokens, profile, strategy, compress)
     handles: dict[str, OffloadHandle] = {}
     try:
