@@ -50,3 +50,18 @@ def test_tiny_pipeline_offloaded_is_exact_against_the_resident_one(tmp_path):
         assert compress is False or any(c["compressed"] for c in components.values())
     assert "| weightstream |" in (tmp_path / "pipeline_tiny.md").read_text()
     assert "[weightstream]" in (tmp_path / "pipeline_tiny.log").read_text()
+
+
+def test_the_predicted_pipeline_split_script_prints_every_budget_and_mode(tmp_path, capsys):
+    path = ROOT / "benchmarks" / "plan_flux_pipeline.py"
+    spec = importlib.util.spec_from_file_location("plan_flux_pipeline", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "plan.md"
+    assert script.main(["--tiny", "--budgets", "100KiB,1KiB", "--decode-gbps", "990", "--out", str(out)]) == 0
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| 1")]
+    assert len(rows) == 6  # two budgets x (False, True, auto)
+    assert all("does not fit" in r for r in rows if r.startswith("| 1KiB"))  # below every component's minimum
+    fits = [r for r in rows if r.startswith("| 100KiB")]
+    assert all("ms/call" in r and "does not fit" not in r for r in fits)
+    assert "decode 990 GB/s" in capsys.readouterr().out
