@@ -334,3 +334,28 @@ def test_a_compressed_pipeline_on_the_gpu_is_exact_and_its_weights_leave_the_gpu
         assert torch.equal(generate(pipe), image)
     assert all(s.wire_ratio < 1 for s in handle.stats.components.values())
     handle.restore()
+
+
+def test_plan_of_a_pipeline_folder_on_a_gpu_machine_weighs_compression_with_auto(tmp_path, monkeypatch):
+    from weightstream.pipeline import plan_pipeline
+
+    pipe = tiny_flux_pipeline(width=64).to(dtype=torch.bfloat16)
+    pipe.save_pretrained(tmp_path)
+    total = total_bytes(pipe)
+    # a slow link and a free decoder: where a compressed placement fits beside what stays resident,
+    # "auto" must find it (the folder's components are built on the meta device, so the wire sizes
+    # must be predicted even though they are planned "on the CPU")
+    slow_link = dataclasses.replace(H200, copy_s_per_byte=1e-6, decode_s_per_byte=1e-15)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as `weightstream plan` on a GPU machine
+    coded = 0
+    for i in range(12):
+        budget = total // 2 + i * total // 24
+        auto = plan_pipeline(str(tmp_path), budget, strategy="stream", profile=slow_link)  # compress="auto"
+        raw = plan_pipeline(str(tmp_path), budget, strategy="stream", profile=slow_link, compress=False)
+        assert auto["compress"] == "auto" and auto["gpu_bytes"] <= budget
+        assert auto["predicted_ms_per_generation"] <= raw["predicted_ms_per_generation"]
+        assert not any(c["compressed"] for c in raw["components"].values())
+        coded += any(c["compressed"] for c in auto["components"].values())
+    assert coded  # at some budgets compression won
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # without CUDA "auto" plans raw
+    assert plan_pipeline(str(tmp_path), total // 2, strategy="stream", profile=slow_link)["compress"] is False

@@ -311,7 +311,8 @@ def plan_pipeline(folder: str, gpu_memory: int | str, steps: int = DEFAULT_STEPS
         profile = load_profile(device)
     if compress == "auto" and device != "cuda":
         compress = False  # as offload on the CPU backend: no link to save
-    costs = component_costs(modules, "cpu", allow_meta=True, compress=compress)
+    # wire sizes whenever compression is considered (built on the meta device, so "auto" would mean raw)
+    costs = component_costs(modules, "cpu", allow_meta=True, compress=compress is not False)
     plans = split_budget(costs, budget, calls, tokens, profile, strategy, compress)
     rows = {}
     for name, p in plans.items():
