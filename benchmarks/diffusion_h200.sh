@@ -4,9 +4,14 @@
 # random bf16 weights from the published configs, weightstream auto against diffusers' offloading.
 # Usage (repository root, diffusers' wheel in .whl/, $OUT set by the device tool):
 #   bash benchmarks/diffusion_h200.sh PART      PART: flux | wan | flux-compiled | all (flux then wan)
+#                                                     | pipeline | decoder | gpu-tests
 # Each part writes suite_<name>.json/.log under $OUT and prints the table against max(compute, transfer).
 # `all` stays under about 7 minutes: no method is started after FLUX_SECONDS (140) / WAN_SECONDS (120)
 # of each run, and each method has 45 / 70 s (--method-seconds); what is cut is recorded as skipped.
+# `pipeline`: the whole FLUX.1-dev pipeline at 16 GiB, weightstream compress="auto" and raw
+# (bench_pipeline.py --raw-too), no peers (their figures are in results/pipeline_flux-dev.json), about
+# 4 minutes. `decoder`: bench_decoder.py (warps sweep, about 30 s). `gpu-tests`: the GPU tests of the
+# compressed path and the pipelines (about 4 minutes).
 set -euo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:?set OUT to the folder for results}
@@ -38,5 +43,14 @@ all) flux; wan ;;
 flux-compiled)  # fullgraph compile of the resident and the offloaded transformer: about 4 minutes
     bench flux-dev-transformer_compiled ${COMPILED_SECONDS:-200} --shape flux-dev-transformer --budgets 12GiB \
         --modes compiled --methods resident,ws-auto --reps 5 --method-seconds 200 --emulate-precision-casts ;;
+pipeline)
+    python3 benchmarks/bench_pipeline.py --out "$OUT" --raw-too --peers none --gpu-memory 16GiB \
+        --max-seconds "${PIPELINE_SECONDS:-400}" 2>&1 | tail -20 ;;
+decoder)
+    python3 benchmarks/bench_decoder.py 2>&1 | tee "$OUT/decoder_h200.log" ;;
+gpu-tests)
+    PYTHONPATH=src:tests:/tmp/site python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_codec.py \
+        tests/test_wire.py tests/test_gpu_call_orders.py tests/test_gpu.py tests/test_gpu_hf.py \
+        tests/test_pipeline.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 ;;
 *) echo "unknown part $1" >&2; exit 2 ;;
 esac
