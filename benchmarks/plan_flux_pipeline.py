@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib.util
 import shlex
 import sys
 import time
@@ -23,14 +22,8 @@ from pathlib import Path
 import weightstream as ws
 from weightstream.pipeline import _resolve_calls, component_costs, modules_of, split_budget
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def example():
-    spec = importlib.util.spec_from_file_location("flux_offload", ROOT / "examples" / "flux_offload.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_pipeline import example  # noqa: E402  (examples/flux_offload.py as a module)
 
 
 def describe(plan) -> str:

@@ -15,11 +15,16 @@ pytest.importorskip("diffusers")
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def bench_pipeline():
-    spec = importlib.util.spec_from_file_location("bench_pipeline", ROOT / "benchmarks" / "bench_pipeline.py")
+def script(name: str):
+    """benchmarks/NAME.py as a module."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def bench_pipeline():
+    return script("bench_pipeline")
 
 
 def test_tiny_pipeline_offloaded_is_exact_against_the_resident_one(tmp_path):
@@ -53,12 +58,9 @@ def test_tiny_pipeline_offloaded_is_exact_against_the_resident_one(tmp_path):
 
 
 def test_the_predicted_pipeline_split_script_prints_every_budget_and_mode(tmp_path, capsys):
-    path = ROOT / "benchmarks" / "plan_flux_pipeline.py"
-    spec = importlib.util.spec_from_file_location("plan_flux_pipeline", path)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
     out = tmp_path / "plan.md"
-    assert script.main(["--tiny", "--budgets", "100KiB,1KiB", "--decode-gbps", "990", "--out", str(out)]) == 0
+    args = ["--tiny", "--budgets", "100KiB,1KiB", "--decode-gbps", "990", "--out", str(out)]
+    assert script("plan_flux_pipeline").main(args) == 0
     rows = [line for line in out.read_text().splitlines() if line.startswith("| 1")]
     assert len(rows) == 6  # two budgets x (False, True, auto)
     assert all("does not fit" in r for r in rows if r.startswith("| 1KiB"))  # below every component's minimum
