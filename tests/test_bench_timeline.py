@@ -6,9 +6,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from weightstream.bench.shapes import build_model
-from weightstream.bench.timeline import record_timeline, summary, timeline_events
+from weightstream.bench.timeline import idle_causes, record_timeline, summary, timeline_events
 
 
 def test_timeline_events_put_host_copies_on_the_copy_row():
@@ -44,5 +46,32 @@ def test_decode_kernels_get_their_own_row_and_the_summary_counts_overlaps_once()
                               event("gemm", 2000, 3500), event("gemm", 5000, 6000)])
     assert [e[0] for e in events] == ["copy", "compute", "compute", "decode", "compute"]
     assert summary(events) == {"span_ms": 6.0, "copy_ms": 4.0, "decode_ms": 1.0, "compute_ms": 3.5,
-                               "compute_idle_ms": 2.5}
+                               "compute_idle_ms": 2.5, "compute_idle_decoding_ms": 1.0,
+                               "compute_idle_copying_ms": 1.5, "compute_idle_other_ms": 0.0}
     assert summary([]) == {}
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["copy", "decode", "compute"]), st.integers(0, 30),
+                          st.integers(1, 8)), min_size=1, max_size=12))
+def test_idle_causes_split_the_compute_idle_time_as_a_millisecond_grid_does(spans):
+    # integer spans: each millisecond cell of the span is idle or not, and decoding / copying / neither
+    events = [(row, "k", float(a), float(a + n)) for row, a, n in spans]
+    lo, hi = min(a for _, a, _ in spans), max(a + n for _, a, n in spans)
+    grid = {"compute_idle_decoding_ms": 0.0, "compute_idle_copying_ms": 0.0, "compute_idle_other_ms": 0.0}
+    for t in range(lo, hi):
+        active = {row for row, a, n in spans if a <= t < a + n}
+        if "compute" in active:
+            continue
+        key = "decoding" if "decode" in active else "copying" if "copy" in active else "other"
+        grid[f"compute_idle_{key}_ms"] += 1.0
+    assert idle_causes(events) == pytest.approx(grid)
+    assert sum(grid.values()) == pytest.approx(summary(events)["compute_idle_ms"])
+
+
+def test_short_idle_spans_are_launch_gaps_whatever_else_runs():
+    # a 0.02 ms gap during a copy is the host between two launches, not a wait for the copy
+    events = [("copy", "c", 0.0, 2.0), ("compute", "k", 0.0, 1.0), ("compute", "k", 1.02, 1.5),
+              ("compute", "k", 2.5, 3.0)]
+    assert idle_causes(events) == pytest.approx(
+        {"compute_idle_decoding_ms": 0.0, "compute_idle_copying_ms": 0.5, "compute_idle_other_ms": 0.52})

@@ -8,8 +8,9 @@ Result document (`validate` checks it; sizes in bytes, times in ms, bandwidth in
     build_device, build_note, reference ("resident" or "first weightstream method"), budgets, phases
     skipped_methods: {method: reason} (import missing, needs CUDA, does not fit)
     timelines: [{method, phase, budget_bytes, mode, events: [[stream, label, start_ms, end_ms], ...],
-        summary: {span_ms, copy_ms, decode_ms, compute_ms, compute_idle_ms} (optional)}]; stream is
-        "copy", "decode" or "compute"; eager and compiled weightstream rows at the first budget
+        summary: {span_ms, copy_ms, decode_ms, compute_ms, compute_idle_ms, compute_idle_decoding_ms,
+        compute_idle_copying_ms, compute_idle_other_ms} (optional; the last three since session 28)}];
+        stream is "copy", "decode" or "compute"; eager and compiled weightstream rows at the first budget
     aborted: why the run stopped early (only when a method could not be undone)
     max_seconds: the run's time budget (None: none); measurements past it are rows with `skipped`
     method_seconds: each method's time limit per budget and phase, preparation included (None: none);

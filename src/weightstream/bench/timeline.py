@@ -58,15 +58,67 @@ def busy_ms(events, row: str) -> float:
     return total
 
 
+def row_spans(events, row: str) -> list[tuple[float, float]]:
+    """`row`'s activities as disjoint (start, end) spans, in order."""
+    spans: list[tuple[float, float]] = []
+    for start, stop in sorted((float(s), float(e)) for r, _, s, e in events if r == row):
+        if spans and start <= spans[-1][1]:
+            spans[-1] = (spans[-1][0], max(spans[-1][1], stop))
+        else:
+            spans.append((start, stop))
+    return spans
+
+
+def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The spans where both disjoint, ordered span lists `a` and `b` are covered."""
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        start, stop = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if start < stop:
+            out.append((start, stop))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def _length(spans) -> float:
+    return sum(stop - start for start, stop in spans)
+
+
+def idle_causes(events, min_wait_ms: float = 0.05) -> dict[str, float]:
+    """What the compute row's idle time within the span was, in ms: waiting while a decode kernel ran
+    ("decoding"), waiting while a copy ran and no decode ("copying"), or anything else ("other": idle
+    spans shorter than `min_wait_ms`, the host's gaps between an eager forward's launches, wherever a
+    copy happened to run, and longer ones with nothing on the GPU)."""
+    start = min(float(s) for _, _, s, _ in events)
+    stop = max(float(e) for *_, e in events)
+    idle, cursor = [], start
+    for a, b in row_spans(events, "compute"):
+        if a > cursor:
+            idle.append((cursor, a))
+        cursor = max(cursor, b)
+    if stop > cursor:
+        idle.append((cursor, stop))
+    waits = [(a, b) for a, b in idle if b - a >= min_wait_ms]
+    decoding = _length(_overlap(waits, row_spans(events, "decode")))
+    busy = row_spans([("busy", "", a, b) for row, _, a, b in events if row in ("decode", "copy")], "busy")
+    copying = _length(_overlap(waits, busy)) - decoding
+    return {"compute_idle_decoding_ms": decoding, "compute_idle_copying_ms": copying,
+            "compute_idle_other_ms": _length(idle) - decoding - copying}
+
+
 def summary(events) -> dict[str, float]:
-    """One timeline in figures: its span and each row's busy ms (copy, decode, compute), and the
-    compute row's idle ms within the span (where compute waited for copies or decodes)."""
+    """One timeline in figures: its span and each row's busy ms (copy, decode, compute), the compute
+    row's idle ms within the span (where compute waited for copies or decodes) and what ran meanwhile
+    (`idle_causes`)."""
     if not events:
         return {}
     span = max(float(e) for *_, e in events) - min(float(s) for _, _, s, _ in events)
     rows = {row: busy_ms(events, row) for row in ("copy", "decode", "compute")}
     return {"span_ms": span, **{f"{row}_ms": ms for row, ms in rows.items()},
-            "compute_idle_ms": span - rows["compute"]}
+            "compute_idle_ms": span - rows["compute"], **idle_causes(events)}
 
 
 def record_timeline(handle_or_model, forward_fn: Callable[[], object]) -> list[tuple[str, str, float, float]]:
