@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 import weightstream as ws
 from weightstream.cost import ModelCost
 from weightstream.errors import ArgumentError, BudgetError, OffloadStateError
-from weightstream.pipeline import PipelineHandle, front, modules_of, split_budget
+from weightstream.pipeline import PipelineHandle, _merge, front, modules_of, split_budget
 from weightstream.plan import _candidates, landing_options, placement_of
 from weightstream.probe import H200
 
@@ -204,6 +204,23 @@ def test_the_split_is_the_fastest_combination_that_fits(blocks, calls, tokens, s
                for combo in itertools.product(*everything.values())
                if sum(p.gpu_bytes for p in combo) <= budget)
     assert got == pytest.approx(best, rel=1e-12)
+
+
+@settings(max_examples=200, deadline=None)
+@given(fronts=st.lists(st.lists(st.tuples(st.integers(0, 20), st.integers(0, 20)), min_size=1, max_size=6),
+                       min_size=1, max_size=4),
+       slack=st.integers(0, 60))
+def test_merging_fronts_finds_the_fastest_combination_within_the_budget(fronts, slack):
+    # small integers: many ties in bytes and in ms, and float sums that are exact
+    fronts = [[(b, float(ms)) for b, ms in f] for f in fronts]
+    budget = sum(min(b for b, _ in f) for f in fronts) + slack
+    chosen = _merge(fronts, budget)
+    assert len(chosen) == len(fronts)
+    got = [f[i] for f, i in zip(fronts, chosen, strict=True)]
+    assert sum(b for b, _ in got) <= budget
+    best = min((sum(ms for _, ms in combo), sum(b for b, _ in combo))
+               for combo in itertools.product(*fronts) if sum(b for b, _ in combo) <= budget)
+    assert (sum(ms for _, ms in got), sum(b for b, _ in got)) == best
 
 
 def forms(cost: ModelCost, tokens: int, compress) -> list:

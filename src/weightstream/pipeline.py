@@ -16,6 +16,7 @@ slots are its own GPU buffers (docs/diffusion.md says why sharing them is not ex
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -106,18 +107,41 @@ def split_budget(costs: dict[str, ModelCost], budget: int, calls: dict[str, int]
             f"gpu_memory={format_size(budget)} cannot hold what the pipeline's models must keep on the GPU "
             f"({', '.join(f'{n} {format_size(f[0].gpu_bytes)}' for n, f in fronts.items())}): give at least "
             f"{format_size(minimum)} ({minimum} bytes){hint}", minimum)
-    combos: list[tuple[int, float, tuple[Placement, ...]]] = [(0, 0.0, ())]
-    for name, points in fronts.items():
-        merged = [(b + p.gpu_bytes, ms + calls[name] * p.prediction.ms, chosen + (p,))
-                  for b, ms, chosen in combos for p in points if b + p.gpu_bytes <= budget]
-        merged.sort(key=lambda c: (c[0], c[1]))
-        combos = []
-        for c in merged:  # keep the front: more bytes only when it is faster
-            if not combos or c[1] < combos[-1][1]:
-                combos.append(c)
-    best = min(combos, key=lambda c: (c[1], c[0]))
-    return {name: ComponentPlan(name, p, calls[name], tokens[name])
-            for name, p in zip(fronts, best[2], strict=True)}
+    chosen = _merge([[(p.gpu_bytes, calls[name] * p.prediction.ms) for p in f] for name, f in fronts.items()],
+                    budget)
+    return {name: ComponentPlan(name, f[i], calls[name], tokens[name])
+            for (name, f), i in zip(fronts.items(), chosen, strict=True)}
+
+
+def _merge(fronts: list[list[tuple[int, float]]], budget: int) -> list[int]:
+    """The point of each front, given as (bytes, ms) pairs, whose sums have the least ms within `budget`
+    bytes (ties: the fewest bytes, then the first in enumeration order). Exact: each front is added to
+    every combination of the ones before it, and the result pruned to its Pareto front (more bytes only
+    where faster) before the next; done in tensors, since a diffusion pipeline's fronts reach millions
+    of pairs. Assumes some combination fits."""
+    total_b = torch.zeros(1, dtype=torch.int64)
+    total_ms = torch.zeros(1, dtype=torch.float64)
+    trail = []  # per front: for each kept combination, (the combination before it, its point here)
+    for points in fronts:
+        pb = torch.tensor([b for b, _ in points], dtype=torch.int64)
+        pm = torch.tensor([ms for _, ms in points], dtype=torch.float64)
+        b = (total_b[:, None] + pb[None, :]).reshape(-1)
+        ms = (total_ms[:, None] + pm[None, :]).reshape(-1)
+        flat = (b <= budget).nonzero().squeeze(1)
+        b, ms = b[flat], ms[flat]
+        order = torch.argsort(ms, stable=True)  # then by bytes, stably: (bytes, ms, enumeration) order
+        order = order[torch.argsort(b[order], stable=True)]
+        b, ms, flat = b[order], ms[order], flat[order]
+        best_before = torch.cat([torch.full((1,), math.inf, dtype=torch.float64), ms.cummin(0).values[:-1]])
+        kept = ms < best_before  # the front: faster than every combination with fewer bytes
+        total_b, total_ms, flat = b[kept], ms[kept], flat[kept]
+        trail.append((flat // len(points), flat % len(points)))
+    i = len(total_ms) - 1  # the front's ms fall strictly: the last is the fastest
+    chosen = []
+    for before, point in reversed(trail):
+        chosen.append(int(point[i]))
+        i = int(before[i])
+    return chosen[::-1]
 
 
 @dataclass(frozen=True)
