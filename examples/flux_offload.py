@@ -10,6 +10,7 @@ torch_dtype=torch.bfloat16)`; the two lines that matter stay the same:
     image = pipe(prompt, ...).images[0]
 
     python examples/flux_offload.py                      # full size, needs CUDA and ~40 GB of host RAM
+    python examples/flux_offload.py --compress false     # the same, every component streaming raw
     python examples/flux_offload.py --tiny --device cpu  # a tiny config: runs anywhere in seconds
     python examples/flux_offload.py --tiny --check       # also checks the image against the resident pipeline
 """
