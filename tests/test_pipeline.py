@@ -161,6 +161,15 @@ def test_a_budget_below_the_minimum_says_what_would_fit():
     ws.offload(pipe, gpu_memory=err.value.minimum_bytes, device="cpu", strategy="stream").restore()
 
 
+def test_a_component_offloaded_on_its_own_is_named():
+    pipe = tiny_flux_pipeline()
+    handle = ws.offload(pipe.transformer, gpu_memory=total_bytes(pipe), device="cpu")
+    with pytest.raises(OffloadStateError, match=r"pipe.transformer: .*already offloaded"):
+        ws.offload(pipe, gpu_memory=total_bytes(pipe) // 2, device="cpu")
+    handle.restore()
+    ws.offload(pipe, gpu_memory=total_bytes(pipe) // 2, device="cpu").restore()
+
+
 def test_a_component_in_training_mode_is_refused():
     pipe = tiny_flux_pipeline()
     pipe.vae.train()

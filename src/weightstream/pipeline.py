@@ -214,8 +214,14 @@ def component_costs(modules: dict[str, nn.Module], device, allow_meta: bool = Fa
     each tensor's predicted wire size unless `compress` is False ("auto" is False on the CPU backend,
     as for `prepare`)."""
     empty = Placement((), 0, 0, 0, 0)
-    return {name: prepare(m, 0, device, allow_meta=allow_meta, placement=empty, compress=compress).cost
-            for name, m in modules.items()}
+    costs = {}
+    for name, m in modules.items():
+        try:
+            prep = prepare(m, 0, device, allow_meta=allow_meta, placement=empty, compress=compress)
+            costs[name] = prep.cost
+        except OffloadStateError as exc:  # say which component (already offloaded on its own, on meta...)
+            raise OffloadStateError(f"pipe.{name}: {exc}") from exc
+    return costs
 
 
 def offload_pipeline(
