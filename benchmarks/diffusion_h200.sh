@@ -3,8 +3,9 @@
 # Flux.1-dev transformer (1024x1024: 4096 image + 512 text tokens) and of Wan 2.1 14B (480p, 81 frames),
 # random bf16 weights from the published configs, weightstream auto against diffusers' offloading.
 # Usage (repository root, diffusers' wheel in .whl/, $OUT set by the device tool):
-#   bash benchmarks/diffusion_h200.sh PART      PART: flux | wan | flux-compiled | all (flux then wan)
-#                                                     | pipeline | decoder | gpu-tests
+#   bash benchmarks/diffusion_h200.sh PART      PART: flux | wan | flux-compiled | wan-compiled | all
+#                                                     (flux then wan) | pipeline | decoder | gpu-tests
+# (COMPILED_BUDGETS=12GiB,0.25 for flux-compiled at both budgets, with COMPILED_SECONDS=400)
 # Each part writes suite_<name>.json/.log under $OUT and prints the table against max(compute, transfer).
 # `all` stays under about 7 minutes: no method is started after FLUX_SECONDS (140) / WAN_SECONDS (120)
 # of each run, and each method has 45 / 70 s (--method-seconds); what is cut is recorded as skipped.
@@ -41,8 +42,12 @@ flux) flux ;;
 wan) wan ;;
 all) flux; wan ;;
 flux-compiled)  # fullgraph compile of the resident and the offloaded transformer: about 4 minutes
-    bench flux-dev-transformer_compiled ${COMPILED_SECONDS:-200} --shape flux-dev-transformer --budgets 12GiB \
-        --modes compiled --methods resident,ws-auto --reps 5 --method-seconds 200 --emulate-precision-casts ;;
+    bench flux-dev-transformer_compiled ${COMPILED_SECONDS:-200} --shape flux-dev-transformer \
+        --budgets ${COMPILED_BUDGETS:-12GiB} --modes compiled --methods resident,ws-auto --reps 5 \
+        --method-seconds 200 --emulate-precision-casts ;;
+wan-compiled)  # the same for Wan 2.1 14B at 25% (not yet run: its compile time is unknown)
+    bench wan2.1-14b_compiled ${COMPILED_SECONDS:-400} --shape wan2.1-14b --budgets 0.25 --modes compiled \
+        --methods resident,ws-auto --reps 3 --method-seconds 250 --emulate-precision-casts ;;
 pipeline)
     python3 benchmarks/bench_pipeline.py --out "$OUT" --raw-too --peers none --gpu-memory 16GiB \
         --max-seconds "${PIPELINE_SECONDS:-400}" 2>&1 | tail -20 ;;
