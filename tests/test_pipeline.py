@@ -385,3 +385,24 @@ def test_plan_of_a_pipeline_folder_on_a_gpu_machine_weighs_compression_with_auto
     assert coded  # at some budgets compression won
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # without CUDA "auto" plans raw
     assert plan_pipeline(str(tmp_path), total // 2, strategy="stream", profile=slow_link)["compress"] is False
+
+
+def test_plan_of_a_diffusers_model_folder_and_from_pretrained_refusing_it(tmp_path, capsys):
+    import json
+
+    from weightstream.cli import main
+    from weightstream.errors import CheckpointError
+
+    pipe = tiny_flux_pipeline().to(dtype=torch.bfloat16)
+    pipe.save_pretrained(tmp_path)
+    folder = str(tmp_path / "transformer")
+    weights = sum(t.numel() * t.element_size() for t in pipe.transformer.state_dict().values())
+    assert main(["plan", folder, "--gpu-memory", str(weights // 2), "--strategy", "stream", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["weight_bytes"] == weights and report["blocks"] == 4  # 2 double + 2 single blocks
+    assert report["gpu_bytes"] <= weights // 2 and report["streamed"]["blocks"]
+    assert report["optimized_for_tokens"] == 4096 and set(report["predicted"]) == {"forward_4096"}
+    assert main(["plan", folder, "--gpu-memory", str(weights // 2), "--tokens", "64"]) == 0
+    assert "predicted forward_64:" in capsys.readouterr().out
+    with pytest.raises(CheckpointError, match="diffusers FluxTransformer2DModel config"):
+        ws.from_pretrained(folder, gpu_memory=weights // 2, device="cpu")

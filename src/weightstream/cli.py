@@ -37,11 +37,14 @@ def main(argv: list[str] | None = None) -> int:
     probe = sub.add_parser("probe", help="measure this GPU's link and GEMM rates for the planner (cached)")
     probe.add_argument("--refresh", action="store_true", help="measure again even if cached")
     plan = sub.add_parser("plan", help="show where a model's weights would go under a budget")
-    plan.add_argument("model", help="a built-in shape (llama-3-8b, qwen2.5-32b, mixtral-8x7b, llama-3-70b) "
-                                    "or a local folder with config.json, or a diffusers pipeline folder "
-                                    "(model_index.json): one budget split across its components")
+    plan.add_argument("model", help="a built-in shape (llama-3-8b, qwen2.5-32b, mixtral-8x7b, llama-3-70b), "
+                                    "a local folder with config.json (a transformers checkpoint, or a "
+                                    "diffusers model such as FLUX.1-dev/transformer), or a diffusers "
+                                    "pipeline folder (model_index.json): one budget split across its "
+                                    "components")
     plan.add_argument("--gpu-memory", required=True, help='GPU budget for the weights, e.g. "20GiB"')
-    plan.add_argument("--tokens", type=int, default=1, help="tokens per forward to plan for (default 1)")
+    plan.add_argument("--tokens", type=int, default=None,
+                      help="tokens per forward to plan for (default 1; 4096 for a diffusers model folder)")
     plan.add_argument("--strategy", default="auto", choices=["auto", "stream", "uva"])
     plan.add_argument("--dtype", default=None,
                       help="dtype to plan in (default: a folder's checkpoint dtype; bfloat16 for built-ins)")

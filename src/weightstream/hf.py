@@ -79,6 +79,14 @@ SUPPORTED = (
 )
 
 
+def diffusers_class(folder: Path) -> str | None:
+    """The `_class_name` of a diffusers model's config.json in `folder` (FluxTransformer2DModel...), or
+    None for any other config."""
+    fields = read_json(folder / "config.json")
+    name = fields.get("_class_name")
+    return name if isinstance(name, str) and "_diffusers_version" in fields else None
+
+
 def read_config(folder: Path):
     """The transformers config in `folder`/config.json; CheckpointError (naming the file and what to
     change) when it is not valid JSON, has no model_type, or transformers does not know it."""
@@ -89,6 +97,12 @@ def read_config(folder: Path):
                               ) from err
     path = folder / "config.json"
     fields = read_json(path)
+    if diffusers_class(folder) is not None:
+        cls = fields["_class_name"]
+        raise CheckpointError(
+            f"{path} is a diffusers {cls} config: from_pretrained loads transformers checkpoints. Load it "
+            f"with diffusers ({cls}.from_pretrained(folder, torch_dtype=torch.bfloat16), or its whole "
+            "pipeline) and call weightstream.offload on it; `weightstream plan FOLDER` plans it")
     if not isinstance(fields.get("model_type"), str):
         raise CheckpointError(f"{path} has no model_type: give the config.json that save_pretrained wrote")
     try:

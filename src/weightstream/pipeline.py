@@ -288,6 +288,25 @@ def offload_pipeline(
     return handle
 
 
+def meta_diffusers_model(folder: str, class_name: str, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
+    """A diffusers model (`class_name`, e.g. FluxTransformer2DModel) from the config.json in `folder`,
+    built in `dtype` on the meta device: sizes only, no weights read."""
+    import diffusers
+
+    cls = getattr(diffusers, class_name, None)
+    if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        raise ArgumentError(f"{folder}/config.json names _class_name {class_name!r}, which diffusers "
+                            f"{diffusers.__version__} does not have")
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = cls.from_config(cls.load_config(folder))
+    finally:
+        torch.set_default_dtype(previous)
+    return model.eval().requires_grad_(False)
+
+
 def meta_components(folder: str, dtype: torch.dtype = torch.bfloat16) -> dict[str, nn.Module]:
     """The nn.Module components of a local diffusers pipeline folder (`model_index.json` and one
     subfolder with a config.json per component), built on the meta device: sizes, no memory, no weights
@@ -299,27 +318,26 @@ def meta_components(folder: str, dtype: torch.dtype = torch.bfloat16) -> dict[st
     with open(os.path.join(folder, "model_index.json")) as f:
         index = json.load(f)
     modules: dict[str, nn.Module] = {}
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        for name, entry in index.items():
-            if name.startswith("_") or not isinstance(entry, list) or None in entry:
-                continue
-            library, class_name = entry
-            cls = getattr(importlib.import_module(library), class_name, None)
-            if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
-                continue
-            sub = os.path.join(folder, name)
-            with torch.device("meta"):
-                if library == "transformers":
-                    from transformers import AutoConfig
+    for name, entry in index.items():
+        if name.startswith("_") or not isinstance(entry, list) or None in entry:
+            continue
+        library, class_name = entry
+        cls = getattr(importlib.import_module(library), class_name, None)
+        if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+            continue
+        sub = os.path.join(folder, name)
+        if library != "transformers":
+            modules[name] = meta_diffusers_model(sub, class_name, dtype)
+            continue
+        from transformers import AutoConfig
 
-                    model = cls(AutoConfig.from_pretrained(sub))
-                else:
-                    model = cls.from_config(cls.load_config(sub))
-            modules[name] = model.eval().requires_grad_(False)
-    finally:
-        torch.set_default_dtype(previous)
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device("meta"):
+                modules[name] = cls(AutoConfig.from_pretrained(sub)).eval().requires_grad_(False)
+        finally:
+            torch.set_default_dtype(previous)
     return modules
 
 

@@ -12,11 +12,13 @@ from .shapes import meta_model
 from .sizes import format_size, parse_size
 
 
-def plan_report(model_name: str, gpu_memory: int | str, tokens: int = 1, strategy: str = "auto",
+def plan_report(model_name: str, gpu_memory: int | str, tokens: int | None = None, strategy: str = "auto",
                 prefill_tokens: int = 2048, dtype: str | torch.dtype | None = None,
                 cpu_memory: int | str | None = None, compress: bool | str = "auto") -> dict:
-    """The placement of `model_name` (built-in shape or local folder) under `gpu_memory`, optimized for
-    `tokens` tokens per forward, with predicted ms for decode (1 token) and prefill; plain data.
+    """The placement of `model_name` (built-in shape, local checkpoint folder or diffusers model folder)
+    under `gpu_memory`, optimized for `tokens` tokens per forward (None: 1 for a causal LM; for a
+    diffusers model the pipelines' denoiser default, 4096: a 1024x1024 Flux image), with predicted ms
+    for decode (1 token) and prefill, or for a diffusers model one forward at `tokens`; plain data.
 
     dtype: the dtype to plan in (default: a local checkpoint's own, as `from_pretrained` loads it;
     bfloat16 for a built-in shape). cpu_memory: host memory for the offloaded weights, as for
@@ -24,15 +26,23 @@ def plan_report(model_name: str, gpu_memory: int | str, tokens: int = 1, strateg
     placement. compress: as for `offload` (wire sizes predicted from Hugging Face-initialized weights'
     ratio)."""
     model = meta_model(model_name, dtype)
+    diffusers_model = type(model).__module__.startswith("diffusers")
+    if tokens is None:
+        from .pipeline import DEFAULT_TOKENS
+
+        tokens = DEFAULT_TOKENS["denoiser"] if diffusers_model else 1
     device = "cuda" if torch.cuda.is_available() else "cpu"
     profile = load_profile(device)
     host_bytes = None if cpu_memory is None else parse_size(cpu_memory)
     prep = prepare(model, gpu_memory, device, allow_meta=True, strategy=strategy, tokens=tokens,
                    profile=profile, host_bytes=host_bytes, compress=compress)
     p, cost = prep.placement, prep.cost
+    # a causal LM: decode and prefill; any other model (a diffusers denoiser): the tokens planned for
+    phases = ((("decode", 1), (f"prefill_{prefill_tokens}", prefill_tokens)) if not diffusers_model
+              else ((f"forward_{tokens}", tokens),))
     predictions = {
         name: predict(cost, p.streamed, p.n_slots, p.uva, n, profile, p.part, p.compressed, p.n_landing)
-        for name, n in (("decode", 1), (f"prefill_{prefill_tokens}", prefill_tokens))
+        for name, n in phases
     }
     host_limit = None if host_bytes is None else host_bytes - sum(prep.uva_group_bytes)
     on_disk = choose_disk_groups(prep.group_bytes, host_limit)  # what from_pretrained leaves in the files

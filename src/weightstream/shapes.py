@@ -43,8 +43,9 @@ def shape_config(fields: dict, **extra):
 
 def meta_model(name_or_path: str, dtype: torch.dtype | str | None = None) -> nn.Module:
     """A model with every tensor on the meta device, from a built-in shape name (a causal LM, bf16 by
-    default) or a local checkpoint folder (the class and dtype `from_pretrained` builds: the config's
-    dtype by default). Costs no memory; good for planning only."""
+    default), a local checkpoint folder (the class and dtype `from_pretrained` builds: the config's
+    dtype by default) or a diffusers model folder (its `_class_name`, bf16 by default). Costs no memory;
+    good for planning only."""
     from transformers import AutoModelForCausalLM
 
     if name_or_path in SHAPES:
@@ -53,10 +54,15 @@ def meta_model(name_or_path: str, dtype: torch.dtype | str | None = None) -> nn.
             model = AutoModelForCausalLM.from_config(config, dtype=parse_dtype(dtype or torch.bfloat16))
         return model.eval().requires_grad_(False)
     if (Path(name_or_path) / "config.json").is_file():
-        from .hf import build_model
+        from .hf import build_model, diffusers_class
 
+        class_name = diffusers_class(Path(name_or_path))
+        if class_name is not None:  # a diffusers model folder (a pipeline's transformer/, unet/, vae/)
+            from .pipeline import meta_diffusers_model
+
+            return meta_diffusers_model(name_or_path, class_name, parse_dtype(dtype or torch.bfloat16))
         return build_model(Path(name_or_path), dtype, on_meta=True)  # the class and dtype a load gets
     raise ArgumentError(
         f"{name_or_path!r} is neither a built-in shape ({', '.join(SHAPES)}) nor a folder with "
-        "config.json"
+        "config.json (a transformers checkpoint or a diffusers model)"
     )
