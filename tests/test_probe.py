@@ -41,15 +41,32 @@ def test_reference_block_keeps_the_activation_shape():
     assert y.shape == x.shape and y.dtype == x.dtype and torch.isfinite(y).all()
 
 
-def test_a_cached_profile_counts_only_with_block_times(tmp_path):
+def test_a_cached_profile_counts_only_with_block_times_and_this_decoder(tmp_path, monkeypatch):
+    import dataclasses
+    import importlib.util
+
+    from weightstream.codec import DECODER_VERSION
+
     path = tmp_path / "profile.json"
     assert cached_profile(path) is None  # nothing cached
-    path.write_text(H200.to_json())
-    assert cached_profile(path) == H200
-    old = json.loads(H200.to_json())
+    current = dataclasses.replace(H200, decode_s_per_byte=1e-12, decoder=DECODER_VERSION)
+    path.write_text(current.to_json())
+    assert cached_profile(path) == current
+    old = json.loads(current.to_json())
     del old["block_extra"]
     path.write_text(json.dumps(old))
     assert cached_profile(path) is None  # cached before block times: measured again
+    for stale in ("1", ""):  # an older decoder's rate, or a cache from before the field: measured again
+        path.write_text(dataclasses.replace(current, decoder=stale).to_json())
+        assert cached_profile(path) is None
+    older = json.loads(current.to_json())
+    del older["decoder"]
+    path.write_text(json.dumps(older))
+    assert cached_profile(path) is None
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "triton" else real_find_spec(name, *a))
+    assert cached_profile(path) == dataclasses.replace(current, decoder="")  # no Triton: nothing to measure
 
 
 def test_dequant_ratio_defaults_interpolates_and_holds_past_the_ends():

@@ -12,6 +12,7 @@ Cached per GPU model in $XDG_CACHE_HOME/weightstream (default ~/.cache/weightstr
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from .codec import DECODER_VERSION
 from .timing import capture_graph, time_calls
 
 TOKENS = (1, 16, 64, 256, 1024, 2048, 8192)
@@ -45,6 +47,8 @@ class MachineProfile:
     # GPU decode of compressed groups (codec_triton), seconds per decoded byte; the default (300 GB/s)
     # stands in where it was not measured
     decode_s_per_byte: float = 1 / 300e9
+    # the decoder generation (codec.DECODER_VERSION) that decode rate was measured with; "": not measured
+    decoder: str = ""
 
     @property
     def h2d_GBps(self) -> float:
@@ -157,8 +161,8 @@ def measure(device: torch.device | str = "cuda", progress: bool = True) -> Machi
     dequant = dequant_ratios(weight, resident, progress)
     profile = MachineProfile(torch.cuda.get_device_name(device), copy_s_per_byte, resident, uva)
     extra = block_extra(profile, device, progress)
-    decode = decode_seconds_per_byte(device, progress)
-    return MachineProfile(profile.gpu, copy_s_per_byte, resident, uva, extra, dequant, decode)
+    decode, decoder = decode_seconds_per_byte(device, progress)
+    return MachineProfile(profile.gpu, copy_s_per_byte, resident, uva, extra, dequant, decode, decoder)
 
 
 def dequant_ratios(weight: torch.Tensor, resident: dict[int, float],
@@ -179,16 +183,17 @@ def dequant_ratios(weight: torch.Tensor, resident: dict[int, float],
     return ratios
 
 
-def decode_seconds_per_byte(device: torch.device, progress: bool = False) -> float:
-    """The codec's GPU decode time per output byte (Triton); the default where Triton is missing."""
+def decode_seconds_per_byte(device: torch.device, progress: bool = False) -> tuple[float, str]:
+    """The codec's GPU decode time per output byte (Triton) and the decoder generation measured
+    (`codec.DECODER_VERSION`); the default rate and "" where Triton is missing."""
     try:
         from .codec_triton import decode_seconds_per_byte as measure_decode
     except ImportError:
-        return MachineProfile.decode_s_per_byte
+        return MachineProfile.decode_s_per_byte, ""
     seconds = measure_decode(device)
     if progress:
         print(f"  codec decode: {1e-9 / seconds:8.1f} GB/s of decoded weights", flush=True)
-    return seconds
+    return seconds, DECODER_VERSION
 
 
 # The reference block: Llama-3-8B's decoder layer (width 4096, 32 query and 8 key/value heads of 128,
@@ -269,12 +274,17 @@ def cache_path(gpu: str) -> Path:
 
 
 def cached_profile(path: Path) -> MachineProfile | None:
-    """The profile cached at `path`, or None when there is none or it predates block times (such a
-    profile is measured again)."""
+    """The profile cached at `path`, or None when there is none, it predates block times, or its decode
+    rate was measured with another decoder generation than this one while Triton could measure this
+    one (`codec.DECODER_VERSION`): such a profile is measured again."""
     if not path.is_file():
         return None
     profile = MachineProfile.from_json(path.read_text())
-    return profile if profile.block_extra else None
+    if not profile.block_extra:
+        return None
+    if profile.decoder != DECODER_VERSION and importlib.util.find_spec("triton") is not None:
+        return None
+    return profile
 
 
 def load_profile(device: torch.device | str | None = None, refresh: bool = False) -> MachineProfile:
