@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .errors import ArgumentError
@@ -27,3 +29,14 @@ def parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
         f"dtype={dtype!r}: give a floating-point dtype, a torch.dtype or one of "
         f"{', '.join(sorted(_NAMES))}"
     )
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype):
+    """torch's default dtype set to `dtype` inside the block (modules built there get it), put back after."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)

@@ -82,7 +82,10 @@ SUPPORTED = (
 def diffusers_class(folder: Path) -> str | None:
     """The `_class_name` of a diffusers model's config.json in `folder` (FluxTransformer2DModel...), or
     None for any other config."""
-    fields = read_json(folder / "config.json")
+    return _diffusers_class_name(read_json(folder / "config.json"))
+
+
+def _diffusers_class_name(fields: dict) -> str | None:
     name = fields.get("_class_name")
     return name if isinstance(name, str) and "_diffusers_version" in fields else None
 
@@ -97,8 +100,8 @@ def read_config(folder: Path):
                               ) from err
     path = folder / "config.json"
     fields = read_json(path)
-    if diffusers_class(folder) is not None:
-        cls = fields["_class_name"]
+    cls = _diffusers_class_name(fields)
+    if cls is not None:
         raise CheckpointError(
             f"{path} is a diffusers {cls} config: from_pretrained loads transformers checkpoints. Load it "
             f"with diffusers ({cls}.from_pretrained(folder, torch_dtype=torch.bfloat16), or its whole "

@@ -23,9 +23,10 @@ import torch
 from torch import nn
 
 from .cost import ModelCost
+from .dtypes import default_dtype
 from .errors import ArgumentError, BudgetError, OffloadStateError
 from .offload import OffloadHandle, OffloadStats, offload, prepare
-from .plan import STRATEGIES, Placement, _candidates, landing_options, placement_of
+from .plan import STRATEGIES, Placement, _candidates, landing_options, placement_of, wire_of
 from .probe import MachineProfile, load_profile
 from .sizes import format_size, parse_size
 
@@ -297,13 +298,8 @@ def meta_diffusers_model(folder: str, class_name: str, dtype: torch.dtype = torc
     if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
         raise ArgumentError(f"{folder}/config.json names _class_name {class_name!r}, which diffusers "
                             f"{diffusers.__version__} does not have")
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device("meta"):
-            model = cls.from_config(cls.load_config(folder))
-    finally:
-        torch.set_default_dtype(previous)
+    with torch.device("meta"), default_dtype(dtype):
+        model = cls.from_config(cls.load_config(folder))
     return model.eval().requires_grad_(False)
 
 
@@ -331,13 +327,8 @@ def meta_components(folder: str, dtype: torch.dtype = torch.bfloat16) -> dict[st
             continue
         from transformers import AutoConfig
 
-        previous = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
-            with torch.device("meta"):
-                modules[name] = cls(AutoConfig.from_pretrained(sub)).eval().requires_grad_(False)
-        finally:
-            torch.set_default_dtype(previous)
+        with torch.device("meta"), default_dtype(dtype):
+            modules[name] = cls(AutoConfig.from_pretrained(sub)).eval().requires_grad_(False)
     return modules
 
 
@@ -364,9 +355,8 @@ def plan_pipeline(folder: str, gpu_memory: int | str, steps: int = DEFAULT_STEPS
     plans = split_budget(costs, budget, calls, tokens, profile, strategy, compress)
     rows = {}
     for name, p in plans.items():
-        pl, cost = p.placement, costs[name]
-        raw = sum(cost.streamed_bytes(i, pl.part) for i in pl.streamed)
-        wire = sum(cost.wire_bytes(i, pl.part) for i in pl.streamed) if pl.compressed else raw
+        pl = p.placement
+        wire, raw = wire_of(costs[name], pl)
         rows[name] = {"class": type(modules[name]).__name__, "calls": p.calls, "tokens": p.tokens,
                       "weight_bytes": pl.resident_bytes + pl.offloaded_bytes, "gpu_bytes": pl.gpu_bytes,
                       "resident_bytes": pl.resident_bytes, "streamed_blocks": len(pl.streamed),

@@ -84,6 +84,13 @@ class Placement:
             (bool(self.streamed), bool(self.uva)), "mix")
 
 
+def wire_of(model: ModelCost, p: Placement) -> tuple[int, int]:
+    """(predicted bytes on the wire, raw bytes) of what placement `p` streams per forward: compressed
+    groups' blobs, or the raw groups (then the two are equal)."""
+    raw = sum(model.streamed_bytes(i, p.part) for i in p.streamed)
+    return (sum(model.wire_bytes(i, p.part) for i in p.streamed) if p.compressed else raw), raw
+
+
 def landing_options(n_slots: int, n_groups: int) -> tuple[int, ...]:
     """How many landing buffers `n_groups` compressed groups through `n_slots` slots may have, the
     default first: one per slot, or with one slot and two groups or more, two (group i+1 lands while

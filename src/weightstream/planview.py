@@ -7,6 +7,7 @@ import torch
 from .cost import predict
 from .hf import choose_disk_groups
 from .offload import prepare
+from .plan import wire_of
 from .probe import load_profile
 from .shapes import meta_model
 from .sizes import format_size, parse_size
@@ -78,8 +79,7 @@ def _wire(cost, p) -> dict:
     """The streamed groups on the link: compressed or raw, predicted wire bytes against their raw
     bytes, the ratio, and the landing buffers (how many, and the bytes of each; 0 when groups stream
     raw)."""
-    raw = sum(cost.streamed_bytes(i, p.part) for i in p.streamed)
-    wire = sum(cost.wire_bytes(i, p.part) for i in p.streamed) if p.compressed else raw
+    wire, raw = wire_of(cost, p)
     return {"compressed": p.compressed, "bytes": wire, "raw_bytes": raw,
             "ratio": round(wire / raw, 4) if raw else 1.0, "landing_bytes": p.landing_bytes,
             "landing_buffers": p.n_landing}

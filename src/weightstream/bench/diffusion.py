@@ -10,12 +10,12 @@ are fixed tensors made with it and kept here, by batch size.
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
 from torch import nn
 
+from ..dtypes import default_dtype
 from .phases import Phase
 
 # Published configs. Flux.1-dev: transformer/config.json of black-forest-labs/FLUX.1-dev. Wan 2.1 T2V 14B:
@@ -41,16 +41,6 @@ TINY_WAN = dict(model_type="WanTransformer3DModel", patch_size=(1, 2, 2), num_at
                 num_layers=3, rope_max_seq_len=32, input_latent=(4, 2, 8, 8), input_text_tokens=6)
 TINY_T5 = dict(model_type="T5EncoderModel", vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=3,
                num_heads=2, feed_forward_proj="gated-gelu", input_text_tokens=8)
-
-
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype):
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
 
 
 def _keep_in_fp32(model: nn.Module) -> None:
@@ -110,14 +100,14 @@ class Diffusion:
     def build(self, fields: dict, device: torch.device, seed: int) -> nn.Module:
         """Random bf16 weights created on `device` (each layer's default init), eval mode, no grads."""
         torch.manual_seed(seed)
-        with torch.device(device), _default_dtype(torch.bfloat16):
+        with torch.device(device), default_dtype(torch.bfloat16):
             model = self._make(fields)
         _keep_in_fp32(model)
         return model.to(device).eval().requires_grad_(False)
 
     def meta(self, fields: dict) -> nn.Module:
         """The same model on the meta device (no memory): for sizes."""
-        with torch.device("meta"), _default_dtype(torch.bfloat16):
+        with torch.device("meta"), default_dtype(torch.bfloat16):
             model = self._make(fields)
         _keep_in_fp32(model)
         return model
