@@ -155,7 +155,7 @@ def main() -> None:
     blob = enc.blob.to(device)
     want = codec.decode_group(blob, torch.zeros(nbytes, dtype=torch.uint8, device=device))
     copy = torch.empty_like(want)
-    times, _ = time_calls(lambda: copy.copy_(want), 20, device)
+    times, _ = time_calls(lambda: copy.copy_(want), 20, device, back_to_back=False)
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}; "
           f"256 MiB bf16 (std 0.02), ratio {enc.wire_bytes / nbytes:.4f}, {enc.chunks} chunks; a plain "
           f"device copy of "
@@ -178,7 +178,7 @@ def main() -> None:
             print(f"{name:32s} failed: {type(e).__name__}: {str(e)[:200]}")
             continue
         exact = torch.equal(out, want)
-        times, _ = time_calls(call, args.reps, device)
+        times, _ = time_calls(call, args.reps, device, back_to_back=False)
         ms = statistics.median(times)
         print(f"{name:32s} {ms:.3f} ms {nbytes / ms / 1e6:5.0f} GB/s exact {exact}  regs {k.n_regs} "
               f"spills {k.n_spills}")

@@ -54,6 +54,21 @@ def weight_bytes(model) -> int:
     return sum(t.numel() * t.element_size() for t in seen.values())
 
 
+def in_order_copies(stats, forwards: int) -> int:
+    """Copies a fresh offloaded model makes over `forwards` forwards in module order (stats: its
+    `OffloadStats`, for groups and slots). Written out, not taken from the schedule: the first forward
+    copies every group, and its last releases copy the next forward's first group of each slot that
+    more than one group shares; every later forward copies the groups of those slots (a group alone
+    in its slot stays there)."""
+    n, k = stats.groups, stats.slots
+    if forwards <= 0 or n == 0:
+        return 0
+    if k >= n:
+        return n
+    alone = max(0, 2 * k - n)  # slots s with s + k >= n hold one group
+    return n + (k - alone) + (forwards - 1) * (n - alone)
+
+
 def state_copy(model) -> dict:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 

@@ -187,3 +187,62 @@ def test_what_the_cost_remembers_matches_a_fresh_cost(sizes, part, ratio, tokens
     assert answers(other, PROFILE) == answers(cost(ratio / 2), PROFILE)
     assert answers(used, slow) == answers(cost(ratio), slow)
     assert answers(used, slow)[3] != first[3]
+
+
+def test_a_forward_after_another_starts_with_its_first_groups_copied():
+    # two slots, everything streamed: the next forward's groups 0 and 1 are copied once blocks 2 and 3
+    # release (lands 50 and 60), so the second forward runs 50..81: 40 s, the link's time alone
+    p = predict(MODEL, (0, 1, 2, 3), 2, (), 1, PROFILE)
+    assert p.ms == pytest.approx(41e3) and p.warm_ms == pytest.approx(40e3)
+    # one slot serializes either way: 4 x 11
+    assert predict(MODEL, (0, 1, 2, 3), 1, (), 1, PROFILE).warm_ms == pytest.approx(44e3)
+    # streamed blocks 1 and 3, one slot: block 3's release (23) copies block 1 for the next forward
+    # (lands 33) while block 0 computes 23..24; block 1 33..34, block 3's copy 34..44, 44..45: 22 s
+    p = predict(MODEL, (1, 3), 1, (), 1, PROFILE)
+    assert p.ms == pytest.approx(23e3) and p.warm_ms == pytest.approx(22e3)
+    assert p.calls_ms(3) == pytest.approx((23 + 2 * 22) * 1e3) and p.calls_ms(0) == 0
+
+
+def test_a_group_alone_in_its_slot_stays_there():
+    # groups 0 and 2 share slot 0, group 1 has slot 1 to itself: after the first forward only groups
+    # 0 and 2 cross the link. Second forward: group 0 lands 41 (copied when group 2 released at 31),
+    # 41..42, group 1 is staged 42..43, group 2 lands 52, 52..53, block 3 53..54: 22 s
+    p = predict(MODEL, (0, 1, 2), 2, (), 1, PROFILE)
+    assert p.ms == pytest.approx(32e3) and p.warm_ms == pytest.approx(22e3)
+
+
+def test_compressed_groups_of_the_next_forward_land_ahead_too():
+    # as above: the first forward ends at 23 (blob 3 landed at 20). The next forward's blob 0 was
+    # issued at block 0's release (8) and waits for the link: 20..25, decode 25..27, compute ..28;
+    # blob 1 25..30, decode 30..32, ..33; blob 2 30..35, ..38; blob 3 35..40, ..43: 20 s, the link's
+    p = predict(_coded(4, 1000, 500), (0, 1, 2, 3), 2, (), 1, CODED, compressed=True)
+    assert p.ms == pytest.approx(23e3) and p.warm_ms == pytest.approx(20e3)
+
+
+@settings(max_examples=200, deadline=None)
+@given(sizes=st.lists(st.integers(1, 2000), min_size=2, max_size=9),
+       mask=st.lists(st.booleans(), min_size=9, max_size=9), uva_mask=st.lists(st.booleans(), min_size=9,
+                                                                               max_size=9),
+       n_slots=st.integers(1, 2), compressed=st.booleans(), copy=st.floats(1e-4, 1e-1),
+       compute=st.floats(1e-4, 1e-1), decode=st.floats(1e-5, 1e-1))
+def test_a_warm_forward_is_at_least_compute_and_at_most_a_cold_one_plus_its_early_copies(
+        sizes, mask, uva_mask, n_slots, compressed, copy, compute, decode):
+    streamed = tuple(b for b in range(len(sizes)) if mask[b])
+    uva = tuple(b for b in range(len(sizes)) if uva_mask[b] and not mask[b])
+    if len(streamed) < n_slots or (not streamed and n_slots):
+        n_slots = min(n_slots, len(streamed))
+    model = ModelCost(0, 0, tuple(sizes), tensor_bytes=tuple((s,) for s in sizes),
+                      tensor_wire=tuple((max(1, s // 2) - 64,) for s in sizes))
+    profile = MachineProfile("h", copy, resident={1: compute, 2048: compute}, uva={1: 1.0, 2048: 1.0},
+                             decode_s_per_byte=decode)
+    p = predict(model, streamed, n_slots, uva, 1, profile, compressed=compressed and bool(streamed))
+    tol = 1e-6 * (p.ms + p.link_ms)
+    assert p.warm_ms >= p.compute_ms - tol
+    if not uva or not streamed:  # the earlier copies only take link time no forward needs otherwise
+        assert p.warm_ms <= p.ms + tol
+    else:  # a zero-copy block that runs before the first streamed one waits for those copies
+        lead = sum(profile.copy_seconds(model.wire_bytes(b) if compressed else sizes[b])
+                   for b in streamed[:n_slots]) * 1e3
+        assert p.warm_ms <= p.ms + lead + tol
+    if not streamed:  # nothing is prefetched: every forward is alike
+        assert p.warm_ms == p.ms

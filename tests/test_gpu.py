@@ -107,6 +107,29 @@ def capture(fn, ids):
         return capture_graph(fn, ids)
 
 
+@pytest.mark.parametrize("compress", [False, True])
+@pytest.mark.parametrize("streamed", [(0, 1, 2), (0, 1, 2, 3)])
+def test_a_loop_of_forwards_prefetches_across_them_and_stays_exact(compress, streamed):
+    """Each forward's last releases start copying (and, compressed, decoding) the next forward's first
+    groups, in its run order also where an odd number of groups goes through two slots, and nothing
+    synchronizes between forwards: every call of a loop with new inputs must still match the resident
+    model, the first call the only one that enters with nothing staged."""
+    ref, model = twins()
+    cost = prepare(model, gpu_memory=2**40, compress=compress).cost
+    placement = placement_of(cost, streamed, 2, compressed=compress)
+    handle = ws.offload(model, gpu_memory=placement.gpu_bytes, placement=placement)
+    assert handle.placement.compressed == compress and handle.stats.groups == len(streamed)
+    inputs = [ids_for(seed) for seed in range(6)]
+    with torch.no_grad():
+        outs = [model(x).logits for x in inputs]  # enqueued back to back, no host synchronization
+        wants = [ref(x).logits for x in inputs]
+    for out, want in zip(outs, wants, strict=True):
+        assert torch.equal(out, want)
+    stats = handle.stats
+    assert stats.misses == 0 and stats.prologues == 1
+    handle.restore()
+
+
 @pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("n_slots", [1, 2])
 def test_manual_cuda_graph_replay_is_exact_and_self_contained(compiled, n_slots, eager_rounding):

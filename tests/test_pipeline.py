@@ -209,7 +209,7 @@ def test_the_split_is_the_fastest_combination_that_fits(blocks, calls, tokens, s
     plans = split_budget(costs, budget, call, tok, H200)
     assert sum(p.placement.gpu_bytes for p in plans.values()) <= budget
     got = sum(p.generation_ms for p in plans.values())
-    best = min(sum(call[n] * p.prediction.ms for n, p in zip(costs, combo, strict=True))
+    best = min(sum(p.prediction.calls_ms(call[n]) for n, p in zip(costs, combo, strict=True))
                for combo in itertools.product(*everything.values())
                if sum(p.gpu_bytes for p in combo) <= budget)
     assert got == pytest.approx(best, rel=1e-12)
@@ -281,7 +281,7 @@ def test_a_split_with_compression_is_the_fastest_combination_that_fits(blocks, c
                                      compressed=True)
                 assert p.compressed or coded is None
         got[compress] = sum(p.generation_ms for p in plans.values())
-        best = min(sum(call[n] * p.prediction.ms for n, p in zip(costs, combo, strict=True))
+        best = min(sum(p.prediction.calls_ms(call[n]) for n, p in zip(costs, combo, strict=True))
                    for combo in itertools.product(*everything.values())
                    if sum(p.gpu_bytes for p in combo) <= budget)
         assert got[compress] == pytest.approx(best, rel=1e-12)

@@ -1,5 +1,7 @@
 """The planner: budget, placement, monotonicity, strategy choice. Pure logic: property tests."""
 
+import dataclasses
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -75,7 +77,8 @@ def test_more_budget_never_predicts_slower(model, budget, extra, tokens, strateg
     except BudgetError:
         return
     large = plan(model, budget + extra, tokens, H200, strategy)
-    assert large.prediction.ms <= small.prediction.ms
+    # what plan minimizes, to a nanosecond (a warm forward is a difference of two simulated ends)
+    assert round(large.prediction.again_ms, 6) <= round(small.prediction.again_ms, 6)
 
 
 @settings(max_examples=100, deadline=None)
@@ -86,7 +89,8 @@ def test_auto_is_never_predicted_slower_than_either_strategy(model, budget, toke
             other = plan(model, budget, tokens, H200, strategy)
         except BudgetError:
             continue
-        assert plan(model, budget, tokens, H200, "auto").prediction.ms <= other.prediction.ms
+        assert round(plan(model, budget, tokens, H200, "auto").prediction.again_ms, 6) <= \
+            round(other.prediction.again_ms, 6)
 
 
 LLAMA_8B = ModelCost(fixed_bytes=2_101_346_304, head_bytes=1_050_673_152, block_bytes=(436_224_000,) * 32)
@@ -151,16 +155,21 @@ def test_a_host_budget_is_never_exceeded_and_auto_fits_wherever_streaming_does(m
 
 def test_a_host_budget_smaller_than_the_zero_copy_blocks_makes_auto_stream():
     """The reported case: auto picks zero copy for decode, but host memory cannot hold the blocks read
-    in place; with the host budget given it streams instead (groups beyond it stay on disk)."""
+    in place; with the host budget given it streams instead (groups beyond it stay on disk). On the
+    H200 profile zero copy (about 49 GB/s at one token) wins only with one block off the GPU, now that
+    a forward's first copies overlap the forward before; a link where zero copy reads at 1.25x the copy
+    rate makes it win with four."""
     block = 436_224_000
+    profile = dataclasses.replace(H200, uva={m: 0.8 * H200.copy_s_per_byte for m in H200.uva})
     budget = LLAMA_8B.fixed_bytes + 28 * block  # 4 blocks off the GPU: zero copy reads them in place
-    assert plan(LLAMA_8B, budget).kind == "uva" and len(plan(LLAMA_8B, budget).uva) == 4
+    assert plan(LLAMA_8B, budget, profile=profile).kind == "uva"
+    assert len(plan(LLAMA_8B, budget, profile=profile).uva) == 4
     host = 3 * block  # holds 3 of the 4 blocks, or the disk tier's two bounce buffers and one more
-    p = plan(LLAMA_8B, budget, host_bytes=host)
+    p = plan(LLAMA_8B, budget, profile=profile, host_bytes=host)
     assert p.kind == "mix" or p.kind == "stream"
     assert host_need(LLAMA_8B, p.streamed, p.uva, p.part) <= host
     with pytest.raises(BudgetError, match="cpu_memory") as info:
-        plan(LLAMA_8B, budget, strategy="uva", host_bytes=host)
+        plan(LLAMA_8B, budget, profile=profile, strategy="uva", host_bytes=host)
     assert info.value.minimum_bytes == 4 * block
 
 

@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import ARCHS, make_model, state_copy, weight_bytes
+from conftest import ARCHS, in_order_copies, make_model, state_copy, weight_bytes
 
 import weightstream as ws
 from weightstream.cost import ModelCost, predict
@@ -37,7 +37,7 @@ def test_compressed_streaming_is_bit_identical(arch, dtype):
             assert torch.equal(model(ids_for(seed)).logits, ref(ids_for(seed)).logits)
     stats = handle.stats
     assert handle.placement.gpu_bytes <= budget
-    assert stats.pinned_bytes == 0 and stats.misses == 0 and stats.copies == 2 * stats.groups
+    assert stats.pinned_bytes == 0 and stats.misses == 0 and stats.copies == in_order_copies(stats, 2)
     p = handle.placement
     assert p.staging_bytes == stats.slots * p.slot_bytes + p.n_landing * p.landing_bytes
     assert "ratio" in str(stats)

@@ -136,10 +136,36 @@ class ModelCost:
 class Prediction:
     """Predicted milliseconds of one forward, and what bounds it."""
 
-    ms: float
+    ms: float  # a forward entered with nothing staged: the first call, a CUDA graph replay
     compute_ms: float  # every block and the head computed with resident weights
-    link_ms: float  # bytes over the link: copies plus zero-copy reads
+    link_ms: float  # bytes over the link in such a forward: copies plus zero-copy reads
     bound: str  # "link" or "compute"
+    # each further forward of the same order called right after the last (eager or compiled without
+    # CUDA graphs: the last releases of one forward start the next one's first copies)
+    warm_ms: float | None = None
+
+    @property
+    def again_ms(self) -> float:
+        """Milliseconds of each further forward (`warm_ms`, else `ms`)."""
+        return self.ms if self.warm_ms is None else self.warm_ms
+
+    def calls_ms(self, calls: int) -> float:
+        """Predicted milliseconds of `calls` forwards one after another: the first cold, the rest warm."""
+        return 0.0 if calls <= 0 else self.ms + (calls - 1) * self.again_ms
+
+
+def _same_before(n: int, width: int, k: int) -> int | None:
+    """The last global group before global group `k` that uses the same one of `width` slots (or
+    landing buffers) when groups 0..n-1 run again and again (group k % n; group g uses g % width);
+    None before the first forward."""
+    g = k % n
+    for back in range(1, n + 1):
+        j = k - back
+        if j < 0:
+            return None
+        if (j % n) % width == g % width:
+            return j
+    return None
 
 
 def predict(
@@ -154,73 +180,118 @@ def predict(
     n_landing: int | None = None,
 ) -> Prediction:
     """Predict one forward of `tokens` tokens with blocks `streamed` (through `n_slots` slots; each
-    streams its `part` largest tensors, 0: all of it) and `uva` (zero copy), the rest resident.
+    streams its `part` largest tensors, 0: all of it) and `uva` (zero copy), the rest resident: the
+    first one (`ms`) and each one after it (`warm_ms`: the second of two simulated back to back, whose
+    last releases also start the raw copies of a third, which its last zero-copy reads wait for).
 
-    Raw groups are copied into their slot once compute released it. Compressed groups follow
-    `wire.py`: group h's blob is copied into landing buffer h % `n_landing` (None: two with one slot,
-    else one per slot) once that buffer's last decode is done, issued when the group before it in the
-    same slot starts (so up to two groups ahead of compute); copies run one after another on the link.
-    A decode fills the slot at the profile's decode rate, but it does not overlap compute: measured on
-    the H200 (benchmarks/diag_decode_overlap.py), a decode enqueued beside busy GEMMs lengthens them
-    by more than its own time, and in a Flux step every decode ran only once compute was idle. So a
-    group's decode starts once its blob has landed, the decode before it is done and compute has
-    reached the group, and compute waits for it."""
+    Raw groups are copied into their slot once compute released it: in the first forward the first
+    group of each slot when compute reaches group 0 (the prologue), then each group when the group
+    before it in its slot is released; across forwards too (`schedule.py`), so the next forward's
+    first groups are copied behind this one's last ones, in that forward's run order (each once its
+    slot is free and the ones before it are copied). A group alone in its slot stays there after the
+    first forward. A zero-copy block before the first streamed one waits for those early copies.
+    Compressed groups follow `wire.py`: group h's blob is copied into landing
+    buffer h % `n_landing` (None: two with one slot, else one per slot) once that buffer's last decode
+    is done, issued when the group before it in the same slot starts (so up to two groups ahead of
+    compute); copies run one after another on the link. A decode fills the slot at the profile's
+    decode rate, but it does not overlap compute: measured on the H200
+    (benchmarks/diag_decode_overlap.py), a decode enqueued beside busy GEMMs lengthens them by more
+    than its own time, and in a Flux step every decode ran only once compute was idle. So a group's
+    decode starts once its blob has landed, the decode before it is done and compute has reached the
+    group, and compute waits for it."""
     group_of = {block: g for g, block in enumerate(streamed)}
     extra = profile.block_extra_seconds(model.width, tokens)  # every block, wherever its weights are
     on_device = model.block_seconds(tokens, profile)  # each block's seconds, its weights resident
     uva_set = set(uva)
     n = len(streamed)
     n_buffers = n_landing or (2 if n_slots == 1 and n > 1 else n_slots)
-    landed: dict[int, float] = {}  # group -> time its bytes have crossed the link
-    decoded: dict[int, float] = {}  # compressed group -> time its decode ended
-    released: dict[int, float] = {}  # group -> time compute released its slot
+    # global group k = forward * n + group; where the group before k in its slot is k's own previous
+    # forward, k never leaves its slot (no copy, no decode)
+    forwards = 2
+    before = [_same_before(n, n_slots, k) for k in range((forwards + 1) * n)]
+    stays = [b is not None and b == k - n for k, b in enumerate(before)]
+    landed: dict[int, float] = {}  # global group -> time its bytes have crossed the link
+    decoded: dict[int, float] = {}  # compressed global group -> time its decode ended
+    released: dict[int, float] = {}  # global group -> time compute released its slot
+    buffer_free: dict[int, float] = {}  # landing buffer -> time its last decode ended
+    waiting: set[int] = set()  # the next forward's first groups whose slots are free, not yet copied
     compute = copy = decode = prologue = 0.0
-    link = 0.0
+    link = [0.0] * (forwards + 1)
+    ends = []
 
-    def land(group: int, not_before: float) -> None:
-        nonlocal copy, link
-        nbytes = model.wire_bytes(streamed[group], part) if compressed else \
-            model.streamed_bytes(streamed[group], part)
+    def land(k: int, not_before: float) -> None:
+        nonlocal copy
+        block = streamed[k % n]
+        nbytes = model.wire_bytes(block, part) if compressed else model.streamed_bytes(block, part)
         seconds = profile.copy_seconds(nbytes)
         copy = max(copy, not_before) + seconds
-        link += seconds
-        landed[group] = copy
+        link[k // n] += seconds
+        landed[k] = copy
 
-    def land_ahead(group: int) -> None:
-        """Compressed `group`'s blob: issued at the start of the group before it in its slot (the
+    def land_ahead(k: int) -> None:
+        """Compressed `k`'s blob: issued at the start of the group before it in its slot (the
         prologue for the first two rounds), after its landing buffer's last decode."""
-        issued = prologue if group < 2 * n_slots else released[group - 2 * n_slots]
-        free = decoded[group - n_buffers] if group >= n_buffers else 0.0
-        land(group, max(issued, free))
+        if stays[k]:
+            return
+        first = before[k]
+        start = None if first is None else before[first]
+        issued = prologue if start is None else released[start]
+        land(k, max(issued, buffer_free.get((k % n) % n_buffers, 0.0)))
 
     def gemm_seconds(rate, block: int) -> float:
         return sum(rate(nbytes, m) for nbytes, m in model.reads(block, tokens))
 
-    for block in range(len(model.block_bytes)):
-        if block in uva_set:  # reads its weights over the link: the link is busy, copies wait
-            seconds = gemm_seconds(profile.uva_seconds, block)
-            compute = copy = max(compute, copy) + seconds
-            link += seconds
-            compute += extra  # the block's other kernels read no weights: the link is free again
-            continue
-        g = group_of.get(block)
-        if g == 0:  # the prologue, issued when the forward reaches group 0
-            prologue = compute
-            for first in range(min(n_slots, n)):
-                land(first, compute)
-        if g is not None and compressed:
-            for h in range(len(landed), g + 1):  # every blob up to this group's, in issue order
-                land_ahead(h)
-            decode = max(decode, landed[g], compute) + \
-                profile.decode_seconds(model.streamed_bytes(streamed[g], part))
-            decoded[g] = compute = decode
-        elif g is not None:
-            compute = max(compute, landed[g])
-        compute += on_device[block]
-        if g is not None:
-            released[g] = compute
-            if not compressed and g + n_slots < n:
-                land(g + n_slots, compute)  # released: the next group of this slot
-    compute += profile.resident_seconds(model.head_bytes, tokens)
+    issued_blobs = 0  # compressed: blobs issued so far, in global order
+    for forward in range(forwards):
+        for block in range(len(model.block_bytes)):
+            if block in uva_set:  # reads its weights over the link: the link is busy, copies wait
+                seconds = gemm_seconds(profile.uva_seconds, block)
+                compute = copy = max(compute, copy) + seconds
+                link[forward] += seconds
+                compute += extra  # the block's other kernels read no weights: the link is free again
+                continue
+            g = group_of.get(block)
+            k = None if g is None else forward * n + g
+            if k == 0:  # the prologue, issued when the first forward reaches group 0
+                prologue = compute
+                if not compressed:
+                    for first in range(min(n_slots, n)):
+                        land(first, compute)
+            if k is not None and stays[k]:
+                pass  # staged since the forward before
+            elif k is not None and compressed:
+                for h in range(issued_blobs, k + 1):  # every blob up to this group's, in issue order
+                    land_ahead(h)
+                issued_blobs = max(issued_blobs, k + 1)
+                decode = max(decode, landed[k], compute) + \
+                    profile.decode_seconds(model.streamed_bytes(streamed[g], part))
+                decoded[k] = compute = decode
+                buffer_free[g % n_buffers] = decode
+            elif k is not None:
+                compute = max(compute, landed[k])
+            compute += on_device[block]
+            if k is not None:
+                released[k] = compute
+                if not compressed:  # released: the next group of this slot, into the next forward too
+                    after = next((j for j in range(k + 1, k + n + 1) if before[j] == k), None)
+                    if after is not None and after // n == forward:
+                        if not stays[after]:
+                            land(after, compute)
+                    elif after is not None:  # the next forward's first groups: copied in its order
+                        waiting.add(after)
+                        base = (forward + 1) * n
+                        for j in range(base, base + min(n_slots, n)):
+                            if stays[j] or j in landed:
+                                continue
+                            if j in waiting:
+                                land(j, compute)
+                            elif g != n - 1:
+                                break  # its slot is still in use
+
+        compute += profile.resident_seconds(model.head_bytes, tokens)
+        ends.append(compute)
     resident = sum(on_device) + profile.resident_seconds(model.head_bytes, tokens)
-    return Prediction(compute * 1e3, resident * 1e3, link * 1e3, "link" if link >= resident else "compute")
+    # with nothing streamed every forward is alike (and not a difference of two rounded sums)
+    warm = ends[0] if not n else ends[1] - ends[0]
+    return Prediction(ends[0] * 1e3, resident * 1e3, link[0] * 1e3,
+                      "link" if link[0] >= resident else "compute", warm_ms=warm * 1e3)

@@ -62,4 +62,8 @@ class HostArena:
 
 def _unregister(raw: torch.Tensor, pinned: bool) -> None:
     if pinned:
+        # copies out of it may still be in flight when it is dropped without close(): a forward's last
+        # releases start the next forward's copies, which no later call waits for
+        for device in range(torch.cuda.device_count()):
+            torch.cuda.synchronize(device)
         torch.cuda.cudart().cudaHostUnregister(raw.data_ptr())

@@ -72,11 +72,13 @@ class OffloadStats:
     misses_last_pass: int
     placement_kind: str
     requested_strategy: str
-    predicted_ms: float | None
+    predicted_ms: float | None  # the planner's ms per forward in a loop of forwards (eager or compiled)
     wire_bytes: int = 0  # bytes a forward moves over the link for the streamed groups (compressed or not)
     wire_raw_bytes: int = 0  # the same groups' bytes in their layout (what the slots receive)
     disk_wire_bytes: int = 0  # bytes a forward reads from disk (compressed blobs and raw tensors)
     disk_cache_bytes: int = 0  # size of the disk tier's compressed cache file
+    # the planner's ms of a forward entered with nothing staged: the first, or a CUDA graph replay
+    predicted_first_ms: float | None = None
 
     @property
     def disk_ratio(self) -> float:
@@ -176,8 +178,7 @@ class OffloadHandle:
     def release(self, group: int) -> None:
         """After group `group` computed: start the copy of the next group that uses its slot."""
         plan = self._schedule.on_release(group, self._capturing)
-        if plan.copy is not None:
-            slot, g = plan.copy
+        for slot, g in plan.copies:
             self._transfer.start_copy(slot, g)
             self._transfer.copy_ahead(self._schedule.after(g, self._capturing))
         if plan.join:
@@ -244,7 +245,8 @@ class OffloadHandle:
             misses_last_pass=self._schedule.misses_last_pass,
             placement_kind=p.kind,
             requested_strategy=p.requested_strategy,
-            predicted_ms=p.prediction.ms if p.prediction else None,
+            predicted_ms=p.prediction.again_ms if p.prediction else None,
+            predicted_first_ms=p.prediction.ms if p.prediction else None,
             wire_bytes=sum(enc.wire_bytes if enc else size
                            for enc, size in zip(self._wire, self._group_bytes, strict=True)),
             wire_raw_bytes=sum(self._group_bytes),

@@ -57,14 +57,15 @@ class ComponentPlan:
 
     @property
     def generation_ms(self) -> float:
-        """Predicted ms this component spends in one generation (calls x ms per call)."""
-        return self.calls * self.placement.prediction.ms
+        """Predicted ms this component spends in one generation: its first call, then each call after
+        it (which starts with its first groups copied by the call before, `Prediction.calls_ms`)."""
+        return self.placement.prediction.calls_ms(self.calls)
 
 
 def front(cost: ModelCost, tokens: int, profile: MachineProfile, strategy: str,
-          compress: bool | str = False) -> list[Placement]:
+          compress: bool | str = False, calls: int = 1) -> list[Placement]:
     """The Pareto front of a component's placements: sorted by GPU bytes, each faster than every
-    smaller one (predicted ms per call). compress: False considers raw groups only; "auto" each
+    smaller one (predicted ms of `calls` calls one after another, at least one). compress: False considers raw groups only; "auto" each
     candidate raw and compressed (every landing-buffer option) where its groups shrink
     (`cost.tensor_wire`, else raw only); True the compressed form of every candidate whose groups
     shrink, and the raw form of the others only."""
@@ -79,10 +80,11 @@ def front(cost: ModelCost, tokens: int, profile: MachineProfile, strategy: str,
         if not forms or compress is not True:
             forms.append(placement_of(cost, s, k, u, part, tokens, profile))
         points += forms
-    points.sort(key=lambda p: (p.gpu_bytes, p.prediction.ms))
+    calls = max(calls, 1)
+    points.sort(key=lambda p: (p.gpu_bytes, p.prediction.calls_ms(calls)))
     kept: list[Placement] = []
     for p in points:
-        if not kept or p.prediction.ms < kept[-1].prediction.ms:
+        if not kept or p.prediction.calls_ms(calls) < kept[-1].prediction.calls_ms(calls):
             kept.append(p)
     return kept
 
@@ -91,10 +93,11 @@ def split_budget(costs: dict[str, ModelCost], budget: int, calls: dict[str, int]
                  profile: MachineProfile, strategy: str = "auto",
                  compress: bool | str = False) -> dict[str, ComponentPlan]:
     """One placement per component, together within `budget` bytes, minimizing the predicted time of a
-    generation: sum over components of calls x predicted ms per call. compress: as for `front` (a
+    generation: sum over components of their calls' predicted ms (`Prediction.calls_ms`). compress: as for `front` (a
     component streams compressed only where its cost has wire sizes). Pure logic. Raises BudgetError
     with the least budget that fits when none does."""
-    fronts = {name: front(cost, tokens[name], profile, strategy, compress) for name, cost in costs.items()}
+    fronts = {name: front(cost, tokens[name], profile, strategy, compress, calls[name])
+              for name, cost in costs.items()}
     minimum = sum(f[0].gpu_bytes for f in fronts.values())
     if minimum > budget:
         hint = ""
@@ -108,8 +111,8 @@ def split_budget(costs: dict[str, ModelCost], budget: int, calls: dict[str, int]
             f"gpu_memory={format_size(budget)} cannot hold what the pipeline's models must keep on the GPU "
             f"({', '.join(f'{n} {format_size(f[0].gpu_bytes)}' for n, f in fronts.items())}): give at least "
             f"{format_size(minimum)} ({minimum} bytes){hint}", minimum)
-    chosen = _merge([[(p.gpu_bytes, calls[name] * p.prediction.ms) for p in f] for name, f in fronts.items()],
-                    budget)
+    chosen = _merge([[(p.gpu_bytes, p.prediction.calls_ms(calls[name])) for p in f]
+                     for name, f in fronts.items()], budget)
     return {name: ComponentPlan(name, f[i], calls[name], tokens[name])
             for (name, f), i in zip(fronts.items(), chosen, strict=True)}
 
@@ -364,7 +367,8 @@ def plan_pipeline(folder: str, gpu_memory: int | str, steps: int = DEFAULT_STEPS
                       "placement_kind": pl.kind, "compressed": pl.compressed, "wire_bytes": wire,
                       "wire_raw_bytes": raw, "landing_buffers": pl.n_landing,
                       "landing_bytes": pl.landing_bytes,
-                      "ms_per_call": round(pl.prediction.ms, 2),
+                      "ms_first_call": round(pl.prediction.ms, 2),
+                      "ms_per_call": round(pl.prediction.again_ms, 2),
                       "ms_per_generation": round(p.generation_ms, 1)}
     return {"pipeline": folder, "budget_bytes": budget, "steps": steps, "compress": compress,
             "profile": {"gpu": profile.gpu, "h2d_GBps": round(profile.h2d_GBps, 1)},

@@ -135,7 +135,7 @@ def _time_ms(fn, reps: int = 10, warmup: int = 3) -> float:
     """Median milliseconds of `reps` calls of fn after `warmup` calls (CUDA events)."""
     for _ in range(warmup):
         fn()
-    return statistics.median(time_calls(fn, reps, torch.device("cuda"))[0])
+    return statistics.median(time_calls(fn, reps, torch.device("cuda"), back_to_back=False)[0])
 
 
 def measure(device: torch.device | str = "cuda", progress: bool = True) -> MachineProfile:

@@ -8,20 +8,27 @@ permanent views of their slot). The schedule keeps two things:
   host seeing it (a CUDA graph replay; the start or end of a capture, which records copies without
   running them) must call `invalidate()`, after which every slot is unknown.
 - `succ[g]`: the group that ran after g last time (learned at each wait that follows a release), so
-  later runs prefetch in run order, not module order. Initially: module order, nothing after the last.
+  later runs prefetch in run order, not module order. Initially: module order, and after the last
+  group the first one (the next forward).
 
 A wait whose group its slot holds is a hit. Otherwise the wait enters a pass at that group: its copy
 and the copies of the groups that follow it along `succ` (one per other slot) start at once. That is a
-prologue when nothing was predicted (the first run, or after `invalidate`), and a miss when the last
-release predicted another group (the run order changed; the new order is learned). Releasing g starts
+prologue when nothing was predicted (the first run, after `invalidate`, or where a pass ended and
+another group than the one it began with came next), and a miss when the last release predicted
+another group inside the pass (the run order changed; the new order is learned). Releasing g starts
 the copy of the next group along `succ` that uses g's slot.
 
 A pass is what runs from a prologue on; it ends where the run order comes back to the group the pass
-began with (the next forward), or stops. Eagerly the learned order is followed everywhere else, also
-where it goes back in module order (a UNet's mid block, registered after the up blocks, runs before
-them). During a CUDA graph capture, copies also stop where the order goes back in module order, and
-every copy is joined where a pass ends, so a captured pass never depends on what runs before or after
-it; each capture starts its own pass (the engine calls `invalidate` when one begins).
+began with (the next forward). Eagerly, prefetching does not stop there: the last releases of one
+forward start the copies of the next forward's first groups (along `succ`, so in the order the
+forward ran), which then cross the link while the forward's last blocks, its head and whatever the
+caller does between calls run. If the next call does not begin where the pass did (an encoder-decoder
+whose encoder runs again), that is a new pass, not a miss: those copies were wasted, never wrong. The
+learned order is followed everywhere else too, also where it goes back in module order (a UNet's mid
+block, registered after the up blocks, runs before them). During a CUDA graph capture, copies stop
+where the order goes back in module order (so also where a pass ends), and every copy is joined
+there, so a captured pass never depends on what runs before or after it; each capture starts its own
+pass (the engine calls `invalidate` when one begins).
 """
 
 from __future__ import annotations
@@ -44,8 +51,8 @@ class WaitPlan:
 class ReleasePlan:
     """What the engine must do after a group computed."""
 
-    copy: tuple[int, int] | None = None  # (slot, group) to start copying, or None
-    join: bool = False  # the group ends a pass: join every copy (a capture must end joined)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (slot, group) to start, in this order
+    join: bool = False  # the group ends a captured pass: join every copy (a capture must end joined)
 
 
 class Schedule:
@@ -56,7 +63,7 @@ class Schedule:
             raise ValueError(f"need 1 <= n_slots <= n_groups, got n_slots={n_slots}, n_groups={n_groups}")
         self.n_groups = n_groups
         self.n_slots = n_slots
-        self.succ: list[int | None] = [g + 1 if g + 1 < n_groups else None for g in range(n_groups)]
+        self.succ: list[int] = [(g + 1) % n_groups for g in range(n_groups)]
         self.content: list[int | None] = [None] * n_slots
         self.last_release: int | None = None  # the group the last op released, if the last op was one
         self.pass_start: int | None = None  # the group the current pass began with
@@ -64,6 +71,9 @@ class Schedule:
         self.prologues = 0  # waits that entered a pass where nothing was predicted
         self.misses = 0  # waits that found their group unstaged although a group was predicted
         self.misses_last_pass = 0  # misses since the last pass began
+        # slot -> the next forward's group to copy there once the groups before it in that forward
+        # have been copied (their slots are still in use): the next forward's copies go in run order
+        self.deferred: dict[int, int] = {}
 
     def slot(self, group: int) -> int:
         """Return the slot that stages `group`."""
@@ -74,18 +84,25 @@ class Schedule:
         self.content = [None] * self.n_slots
         self.last_release = None
         self.pass_start = None
+        self.deferred = {}
 
     def _next(self, group: int, capturing: bool) -> int | None:
         """The group after `group` in the learned run order; None where a pass ends."""
         nxt = self.succ[group]
-        if nxt is None or nxt == self.pass_start or (capturing and nxt <= group):
+        if nxt == self.pass_start or (capturing and nxt <= group):
             return None
         return nxt
+
+    def _ahead(self, group: int, capturing: bool) -> int | None:
+        """The group to prefetch after `group`: the next in the learned run order, eagerly also across
+        the end of a pass (into the next forward); None where a captured pass ends."""
+        return self._next(group, capturing) if capturing else self.succ[group]
 
     def _fill(self, group: int, capturing: bool) -> list[tuple[int, int]]:
         """Copies that enter a pass at `group`: it, then the groups after it, each into its slot
         while that slot has not been given one yet."""
         copies: list[tuple[int, int]] = []
+        self.deferred = {}  # slots are being given other groups: nothing waits for them any more
         g: int | None = group
         for _ in range(self.n_groups):
             if g is None or len(copies) == self.n_slots:
@@ -94,7 +111,7 @@ class Schedule:
             if all(s != c for c, _ in copies):
                 copies.append((s, g))
                 self.content[s] = g
-            g = self._next(g, capturing)
+            g = self._ahead(g, capturing)
         self.copies += len(copies)
         return copies
 
@@ -124,28 +141,75 @@ class Schedule:
         return plan
 
     def after(self, group: int, capturing: bool = False) -> int | None:
-        """The group expected to be copied into `group`'s slot next, along the learned run order
-        (None where the pass ends first). A transfer may start moving its bytes early (a compressed
-        group into a free landing buffer); the schedule's bookkeeping does not change."""
+        """The group expected to be copied into `group`'s slot next, along the learned run order (eagerly
+        also into the next forward; `group` itself when no other group uses its slot; None where a
+        captured pass ends first). A transfer may start moving its bytes early (a compressed group into
+        a free landing buffer); the schedule's bookkeeping does not change."""
         slot = self.slot(group)
-        nxt = self._next(group, capturing)
+        nxt = self._ahead(group, capturing)
         for _ in range(self.n_groups):
             if nxt is None or self.slot(nxt) == slot:
-                break
-            nxt = self._next(nxt, capturing)
-        return nxt
+                return nxt
+            nxt = self._ahead(nxt, capturing)
+        return None  # the order loops without coming back to this slot
 
     def on_release(self, group: int, capturing: bool = False) -> ReleasePlan:
-        """Bookkeeping for "group finished computing"; returns what to copy and whether to join."""
+        """Bookkeeping for "group finished computing"; returns what to copy and whether to join (where a
+        captured pass ends; eagerly never: copies into the next forward may be in flight)."""
         if not 0 <= group < self.n_groups:
             raise IndexError(f"group {group} out of range 0..{self.n_groups - 1}")
         self.last_release = group
         slot = self.slot(group)
-        plan = ReleasePlan(join=self._next(group, capturing) is None)
+        ends = self._next(group, capturing) is None  # the last group of the pass
+        plan = ReleasePlan(join=capturing and ends)
         nxt = self.after(group, capturing)
         if nxt is None or self.content[slot] == nxt:
             return plan
-        self.content[slot] = nxt
-        self.copies += 1
-        plan.copy = (slot, nxt)
+        lead = self._lead() if not capturing and self._crosses(group, nxt) else []
+        if nxt not in lead:  # inside the pass (or an order the lead does not foresee): copy now
+            self._issue(plan, slot, nxt)
+            return plan
+        # the next forward's first groups are copied in its run order, as their slots come free: with
+        # an odd number of groups through two slots, the slot of that forward's second group comes free
+        # before the slot of its first
+        self.deferred[slot] = nxt
+        for g in lead:
+            s = self.slot(g)
+            if self.content[s] == g:
+                continue  # copied already, or alone in its slot
+            if self.deferred.get(s) == g:
+                del self.deferred[s]
+                self._issue(plan, s, g)
+            elif not ends:
+                break  # an earlier group's slot is still in use: later ones wait for it
         return plan
+
+    def _issue(self, plan: ReleasePlan, slot: int, group: int) -> None:
+        self.content[slot] = group
+        self.copies += 1
+        plan.copies.append((slot, group))
+
+    def _crosses(self, group: int, target: int) -> bool:
+        """Whether the run order from `group` reaches `target` only through the group the pass began
+        with: `target` is in the next forward."""
+        g = group
+        for _ in range(self.n_groups):
+            g = self.succ[g]
+            if g == self.pass_start:
+                return True
+            if g == target:
+                return False
+        return False
+
+    def _lead(self) -> list[int]:
+        """The next forward's first groups, one per slot, in its run order (what a prologue at the
+        group the pass began with would copy)."""
+        lead: list[int] = []
+        g = self.pass_start
+        for _ in range(self.n_groups):
+            if g is None or len(lead) == self.n_slots:
+                break
+            if all(self.slot(g) != self.slot(h) for h in lead):
+                lead.append(g)
+            g = self.succ[g]
+        return lead

@@ -1,7 +1,8 @@
 """Timing and CUDA-graph capture shared by the probe, the benchmark suite and the benchmark scripts.
 
-Every GPU time is taken with CUDA events around one call started from an idle device; on a CPU the
-host clock stands in so the same code runs in the CPU tests.
+Every GPU time is taken with CUDA events: by default between consecutive calls of a loop (an offloaded
+model prefetches the next call's first groups), for microbenchmarks around one call started from an
+idle device. On a CPU the host clock stands in so the same code runs in the CPU tests.
 """
 
 from __future__ import annotations
@@ -18,23 +19,43 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_calls(fn: Callable[[], torch.Tensor], reps: int, device: torch.device):
-    """Call fn() `reps` times, each from an idle device; each call's ms (CUDA events on CUDA,
-    perf_counter on CPU) and the last output."""
-    times, out = [], None
-    for _ in range(reps):
-        sync(device)
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            out = fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
+def time_calls(fn: Callable[[], torch.Tensor], reps: int, device: torch.device, back_to_back: bool = True):
+    """Call fn() `reps` times; each call's ms (CUDA events on CUDA, perf_counter on CPU) and the last
+    output.
+
+    back_to_back (the default): the calls follow each other with no synchronization between them, after
+    one untimed call, and each call's time is the span from the event recorded after the call before it
+    to its own: the steady state of a loop of calls. An offloaded model's last blocks start copying the
+    next call's first groups; a call timed from an idle device would find them already copied and
+    look faster than a loop of calls can run. False: each call starts from an idle device (kernel and
+    copy microbenchmarks, where nothing carries over between calls)."""
+    if device.type != "cuda":
+        times, out = [], None
+        for _ in range(reps):
             t0 = time.perf_counter()
             out = fn()
             times.append((time.perf_counter() - t0) * 1e3)
+        return times, out
+    if back_to_back:
+        sync(device)
+        fn()  # untimed: the first timed call starts where a call of a loop starts
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(reps + 1)]
+        events[0].record()
+        out = None
+        for i in range(reps):
+            out = fn()
+            events[i + 1].record()
+        events[-1].synchronize()
+        return [events[i].elapsed_time(events[i + 1]) for i in range(reps)], out
+    times, out = [], None
+    for _ in range(reps):
+        sync(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
     return times, out
 
 

@@ -99,6 +99,11 @@ class CudaTransfer(SyncTransfer):
             self.prefetcher = DiskPrefetcher(disk, 2, disk.max_read_bytes, pin=pin)
         self.device = device
         self.stream = torch.cuda.Stream(device)
+        # Copies into the slots may outlive the forward that started them (its last releases start the
+        # next forward's): should the slots be freed meanwhile (the model dropped without restore()),
+        # the caching allocator must not hand their memory out before those copies are done.
+        for slot in slots:
+            slot.record_stream(self.stream)
         self.ready = [torch.cuda.Event() for _ in slots]
         # Whether each event was last recorded inside a CUDA graph capture. Such an event cannot be
         # waited on outside that capture (nor an eager one inside it); neither wait is needed: a capture

@@ -190,6 +190,10 @@ class CodedCudaTransfer(CudaTransfer):
         self.decode_stream = torch.cuda.Stream(device)
         self.landing = [torch.empty(landing_bytes, dtype=torch.uint8, device=device)
                         for _ in range(n_landing)]
+        for buffer in self.landing + slots:  # written or read on the side streams (see CudaTransfer)
+            buffer.record_stream(self.decode_stream)
+        for buffer in self.landing:
+            buffer.record_stream(self.stream)
         self.landings = Landings(n_landing, wire, self.on_disk)
         # each landing buffer's last copy (its decode waits for it) and last decode (the next copy into
         # it waits for it), and whether each was recorded inside a capture (see ready_in_capture)

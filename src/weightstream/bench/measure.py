@@ -1,8 +1,11 @@
 """One measurement: warm-up, timed calls (through `weightstream.timing`, the one way to time), the
 bit-for-bit comparison with a reference (the one way to compare outputs), and the link bound.
 
-GPU times are CUDA-event milliseconds of calls each started from an idle device; on a CPU the host
-clock stands in, so the CPU tests run the same code.
+GPU times are CUDA-event milliseconds between consecutive calls of a loop with no synchronization in
+between (`timing.time_calls`): the steady state, where an offloaded model's last blocks have started
+copying the next call's first groups. Each timed call still moves all its bytes over the link, so
+bytes / link bandwidth stays a bound on it. On a CPU the host clock stands in, so the CPU tests run
+the same code.
 """
 
 from __future__ import annotations

@@ -91,8 +91,11 @@ by hand. Every number is one forward, `model(ids, use_cache=False)`, of a model 
   call, replayed. A method's failure in a mode is shown as its error.
 - **budget**: GPU memory for weights given to the method (resident weights plus staging), and its share
   of all weight bytes; `-` for methods that take no budget.
-- **median ms**: median of CUDA-event timings of repeated forwards after two warm-up calls, each from an
-  idle GPU; **tokens/s** = tokens per forward / median.
+- **median ms**: median of CUDA-event timings of repeated forwards after two warm-up calls; in runs whose
+  section says `timing: back-to-back` the forwards follow each other with no synchronization and each
+  is timed from the end of the one before (the steady state of a loop, where a weightstream forward's
+  last blocks copy the next forward's first groups), in older runs each from an idle GPU; **tokens/s**
+  = tokens per forward / median.
 - **link bound ms**: bytes that cross the host->GPU link per forward / the pinned bandwidth measured at
   the start of the run; **ratio** = median / link bound (1.00 = as fast as the link allows). For zero
   copy the bytes are every weight read in place; a mixture-of-experts block reads only the experts its
@@ -120,7 +123,8 @@ def run_section(doc: dict, path: str) -> str:
              f"weightstream {doc.get('weightstream', '?')}",
              f"- command: `{doc['command']}`",
              f"- weights {format_size(doc['weight_bytes'])} built on {doc.get('build_device', '?')}; "
-             f"host->GPU {fmt(doc['h2d_bandwidth_GBps'], 1)} GB/s; reference: {doc.get('reference', '?')}",
+             f"host->GPU {fmt(doc['h2d_bandwidth_GBps'], 1)} GB/s; reference: {doc.get('reference', '?')}; "
+             f"timing: {doc.get('timing', 'each call from an idle GPU')}",
              f"- methods not run: {skipped}"]
     limits = [f"--{k.replace('_', '-')} {doc[k]:g}" for k in ("max_seconds", "method_seconds") if doc.get(k)]
     if limits:
@@ -235,7 +239,9 @@ def write_benchmarks_md(result_paths: list[str], md_path: str, images: list[str]
 def prediction_table(docs: list[dict]) -> str:
     """Markdown: the planner's predicted ms next to the measured median of every measured weightstream
     row whose setup holds a prediction (budget, phase, method, mode, placement, measured, predicted,
-    error = predicted / measured - 1, exact)."""
+    error = predicted / measured - 1, exact). A row timed in a loop of calls (eager, compiled) is
+    compared with the prediction for such a forward (`warm_ms`, recorded since session 29), a CUDA
+    graph replay and older results with the forward entered with nothing staged (`ms`)."""
     lines = ["| budget | phase | method | mode | placement | measured ms | predicted ms | error | exact |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for doc in docs:
@@ -244,9 +250,10 @@ def prediction_table(docs: list[dict]) -> str:
             if r["median_ms"] is None or not pred:
                 continue
             exact = "ref" if r.get("reference") == "self" else str(r["exact"])
+            ms = pred["ms"] if r["mode"].startswith("graph") else pred.get("warm_ms", pred["ms"])
             lines.append(f"| {budget_text(r['budget_bytes'], doc['weight_bytes'])} | {r['phase']} | "
                          f"{r['method']} | {r['mode']} | {r['setup'].get('placement', '-')} | "
-                         f"{r['median_ms']:.2f} | {pred['ms']:.2f} | "
-                         f"{pred['ms'] / r['median_ms'] - 1:+.1%} | "
+                         f"{r['median_ms']:.2f} | {ms:.2f} | "
+                         f"{ms / r['median_ms'] - 1:+.1%} | "
                          f"{exact} |")
     return "\n".join(lines)

@@ -258,6 +258,8 @@ def header(shape: str, device: torch.device, model: nn.Module, bandwidth: float 
         "versions": {m.requires: registry.version_of(m.requires) for m in registry.METHODS if m.requires},
         "inductor_emulate_precision_casts": bool(torch._inductor.config.emulate_precision_casts),
         "h2d_bandwidth_GBps": bandwidth,
+        # how each call was timed (timing.time_calls): in a loop, no synchronization between calls
+        "timing": "back-to-back",
         "shape": get_shape(shape).record(),
         "weight_bytes": module_bytes(model), "build_device": str(home_device(model)),
         "skipped_methods": {}, "timelines": [], "results": [],

@@ -30,9 +30,11 @@ def placement_text(handle: OffloadHandle) -> str:
 
 
 def prediction(handle: OffloadHandle) -> dict | None:
-    """The planner's predicted ms per forward and what bounds it, or None when it made none."""
+    """The planner's predicted ms per forward and what bounds it, or None when it made none: `ms` for a
+    forward entered with nothing staged (a CUDA graph replay), `warm_ms` for one in a loop of them
+    (eager and compiled, timed back to back)."""
     pred = handle.placement.prediction
-    return None if pred is None else {"ms": pred.ms, "bound": pred.bound}
+    return None if pred is None else {"ms": pred.ms, "warm_ms": pred.again_ms, "bound": pred.bound}
 
 
 def link_bytes(stats) -> int:
