@@ -37,7 +37,7 @@ def test_eager_logits_are_bit_identical(twin, arch, fraction, strategy):
     stats = handle.stats
     assert stats.requested_strategy == strategy and (stats.placement_kind == strategy or strategy == "auto")
     assert stats.streamed_bytes + stats.uva_bytes > 0
-    assert stats.misses == 0 and stats.copies == in_order_copies(stats, 2)  # the planned schedule ran, in order
+    assert stats.misses == 0 and stats.copies == in_order_copies(stats, 2)  # the planned schedule ran
     assert stats.resident_bytes + stats.streamed_bytes + stats.uva_bytes == weight_bytes(ref)
     assert handle.placement.gpu_bytes <= budget_for(ref, fraction)
 

@@ -65,10 +65,10 @@ class ComponentPlan:
 def front(cost: ModelCost, tokens: int, profile: MachineProfile, strategy: str,
           compress: bool | str = False, calls: int = 1) -> list[Placement]:
     """The Pareto front of a component's placements: sorted by GPU bytes, each faster than every
-    smaller one (predicted ms of `calls` calls one after another, at least one). compress: False considers raw groups only; "auto" each
-    candidate raw and compressed (every landing-buffer option) where its groups shrink
-    (`cost.tensor_wire`, else raw only); True the compressed form of every candidate whose groups
-    shrink, and the raw form of the others only."""
+    smaller one (predicted ms of `calls` calls one after another, at least one). compress: False
+    considers raw groups only; "auto" each candidate raw and compressed (every landing-buffer option)
+    where its groups shrink (`cost.tensor_wire`, else raw only); True the compressed form of every
+    candidate whose groups shrink, and the raw form of the others only."""
     n = len(cost.block_bytes)
     max_part = max((len(t) for t in cost.tensor_bytes), default=0)
     coded = bool(cost.tensor_wire) and compress is not False
@@ -93,9 +93,9 @@ def split_budget(costs: dict[str, ModelCost], budget: int, calls: dict[str, int]
                  profile: MachineProfile, strategy: str = "auto",
                  compress: bool | str = False) -> dict[str, ComponentPlan]:
     """One placement per component, together within `budget` bytes, minimizing the predicted time of a
-    generation: sum over components of their calls' predicted ms (`Prediction.calls_ms`). compress: as for `front` (a
-    component streams compressed only where its cost has wire sizes). Pure logic. Raises BudgetError
-    with the least budget that fits when none does."""
+    generation: sum over components of their calls' predicted ms (`Prediction.calls_ms`). compress: as
+    for `front` (a component streams compressed only where its cost has wire sizes). Pure logic.
+    Raises BudgetError with the least budget that fits when none does."""
     fronts = {name: front(cost, tokens[name], profile, strategy, compress, calls[name])
               for name, cost in costs.items()}
     minimum = sum(f[0].gpu_bytes for f in fronts.values())
