@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import weightstream as ws
+import weightstream.prepare
 from weightstream.cost import ModelCost
 from weightstream.errors import ArgumentError, BudgetError, OffloadStateError
 from weightstream.pipeline import PipelineHandle, _merge, front, modules_of, split_budget
@@ -122,14 +123,20 @@ def wide_reference():
     return generate(pipe), state(pipe)
 
 
-def test_a_compressed_pipeline_is_exact_and_its_groups_cross_the_link_smaller(wide_reference):
+def test_a_compressed_pipeline_is_exact_and_its_groups_cross_the_link_smaller(wide_reference, monkeypatch):
     image, before = wide_reference
     pipe = tiny_flux_pipeline(width=64).to(dtype=torch.bfloat16)
     with pytest.raises(BudgetError) as err:  # slots and landing buffers of every component do not fit
         ws.offload(pipe, gpu_memory=total_bytes(pipe) // 2, device="cpu", strategy="stream", compress=True)
     assert "compress='auto' fits in" in str(err.value)  # what the landing buffers cost
     budget = err.value.minimum_bytes  # one slot and one landing buffer each
+    predicted = []  # each tensor's wire size is predicted for the split, not again for its offload
+    wire_nbytes = weightstream.prepare._wire_nbytes
+    monkeypatch.setattr(weightstream.prepare, "_wire_nbytes",
+                        lambda e: predicted.append(id(e.tensor)) or wire_nbytes(e))
     handle = ws.offload(pipe, gpu_memory=budget, device="cpu", strategy="stream", compress=True)
+    monkeypatch.undo()
+    assert predicted and len(predicted) == len(set(predicted))
     stats = handle.stats
     assert stats.gpu_bytes <= budget  # landing buffers included
     for name, placement in handle.placements.items():

@@ -216,12 +216,14 @@ def component_costs(modules: dict[str, nn.Module], device, allow_meta: bool = Fa
                     compress: bool | str = False) -> dict[str, ModelCost]:
     """Each component's cost model view, without planning (a zero placement skips the planner); with
     each tensor's predicted wire size unless `compress` is False ("auto" is False on the CPU backend,
-    as for `prepare`)."""
+    as for `prepare`). `offload_pipeline` then offloads each component with its placement, which
+    predicts no wire sizes again."""
     empty = Placement((), 0, 0, 0, 0)
     costs = {}
     for name, m in modules.items():
         try:
-            prep = prepare(m, 0, device, allow_meta=allow_meta, placement=empty, compress=compress)
+            prep = prepare(m, 0, device, allow_meta=allow_meta, placement=empty, compress=compress,
+                           predict_wire=True)
             costs[name] = prep.cost
         except OffloadStateError as exc:  # say which component (already offloaded on its own, on meta...)
             raise OffloadStateError(f"pipe.{name}: {exc}") from exc

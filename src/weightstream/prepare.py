@@ -146,6 +146,7 @@ def prepare(
     host_bytes: int | None = None,
     placement: Placement | None = None,
     compress: bool | str = "auto",
+    predict_wire: bool | None = None,
 ) -> Prepared:
     """Check the model and plan what stays on `device`, what streams and what is read in place
     (zero copy); moves nothing yet.
@@ -153,6 +154,9 @@ def prepare(
     allow_meta: accept parameters on the meta device (a model built empty, to be filled from a
     checkpoint straight into its final places). strategy, tokens, profile, placement, compress: see
     `offload`. host_bytes: host memory for the offloaded weights (see `plan.plan`; None: no limit).
+    predict_wire: give the cost each tensor's predicted compressed size (`codec.choose`, about 6 ms per
+    72 MiB tensor) unless `compress` is False; None: only when the planner runs (no `placement`
+    given), since an explicit placement does not use them.
     """
     budget = parse_size(gpu_memory)
     device = _resolve_device(device)
@@ -181,8 +185,9 @@ def prepare(
         raise ArgumentError(f"compress={compress!r}: choose True, False or 'auto'")
     if compress == "auto" and device.type != "cuda":
         compress = False  # no link to save on the CPU backend
+    wire = compress is not False and (placement is None if predict_wire is None else predict_wire)
     cost = model_cost(entries, per_block, [size for _, size in layouts], activation_width(model),
-                      expert_routing(model), wire=compress is not False)
+                      expert_routing(model), wire=wire)
     if placement is None:
         profile = load_profile(device) if profile is None else profile
         placement = plan(cost, budget, tokens, profile, strategy, host_bytes=host_bytes, compress=compress)
