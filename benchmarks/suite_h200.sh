@@ -4,7 +4,7 @@
 #   bash benchmarks/suite_h200.sh PART
 # Parts: verify | verify-short | plan | llama-ws | llama-uva | llama-peers | qwen-ws | qwen-peers | mixtral-ws
 #        | mixtral-peers | qwen-b64 | mixtral-b64 | qwen-diffusers | mixtral-diffusers | qwen-uva
-#        | mixtral-uva | llama-uva-b64 | llama-50 | mixtral-routed
+#        | mixtral-uva | llama-uva-b64 | llama-50 | mixtral-routed | llama-loop
 # MAX_SECONDS overrides a part's time budget (to share a call with another part).
 # Each writes its JSON and log under $OUT; copy them to benchmarks/results/ and run
 # `weightstream bench --report ...` (benchmarks/README.md) to regenerate docs/benchmarks.md.
@@ -36,6 +36,11 @@ plan)  # the planner against measurement (docs/planner.md): no compile, decode r
         --reps 5 --no-timeline --method-seconds 120
     python3 benchmarks/plot_plan.py "$OUT/suite_llama-3-8b_plan.json" "$OUT/plan_llama-3-8b.png" \
         > "$OUT/plan_llama-3-8b.md" || echo "plot_plan.py failed (matplotlib missing?): the JSON is written" ;;
+llama-loop)  # session 29's prefetch across forwards: 8B decode streamed, zero copy and auto, at 25% and at
+    # 97% (zero copy reads two blocks; auto now streams three through one slot: 24.3 ms predicted against
+    # zero copy's 24.6, the planner's claim to check), timelines kept
+    bench llama-3-8b_loop ${MAX_SECONDS:-420} --shape llama-3-8b --budgets 0.25,0.97 --phases decode-b1 \
+        --modes eager,graph-eager --methods resident,ws-stream,ws-uva,ws-auto --reps 10 --method-seconds 120 ;;
 llama-ws)
     bench llama-3-8b_auto ${MAX_SECONDS:-380} --shape llama-3-8b --budgets 0.25 --methods resident,ws-auto --reps 10 \
         --emulate-precision-casts ;;
