@@ -160,7 +160,7 @@ class OffloadHandle:
             for slot, g in plan.copies:  # every group of the prologue first, then what goes ahead
                 self._transfer.start_copy(slot, g)
             for _, g in plan.copies:
-                self._transfer.copy_ahead(self._schedule.after(g, capturing))
+                self._transfer.copy_ahead(self._schedule.ahead(g, capturing))
             self._transfer.wait(plan.slot)
             if plan.miss and not self._warned:
                 self._warned = True
@@ -178,9 +178,10 @@ class OffloadHandle:
     def release(self, group: int) -> None:
         """After group `group` computed: start the copy of the next group that uses its slot."""
         plan = self._schedule.on_release(group, self._capturing)
-        for slot, g in plan.copies:
+        for slot, g in plan.copies:  # every copy first, then what goes ahead, as a prologue does
             self._transfer.start_copy(slot, g)
-            self._transfer.copy_ahead(self._schedule.after(g, self._capturing))
+        for _, g in plan.copies:
+            self._transfer.copy_ahead(self._schedule.ahead(g, self._capturing))
         if plan.join:
             self._transfer.join()
         self._leave()

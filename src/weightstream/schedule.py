@@ -143,8 +143,7 @@ class Schedule:
     def after(self, group: int, capturing: bool = False) -> int | None:
         """The group expected to be copied into `group`'s slot next, along the learned run order (eagerly
         also into the next forward; `group` itself when no other group uses its slot; None where a
-        captured pass ends first). A transfer may start moving its bytes early (a compressed group into
-        a free landing buffer); the schedule's bookkeeping does not change."""
+        captured pass ends first)."""
         slot = self.slot(group)
         nxt = self._ahead(group, capturing)
         for _ in range(self.n_groups):
@@ -152,6 +151,16 @@ class Schedule:
                 return nxt
             nxt = self._ahead(nxt, capturing)
         return None  # the order loops without coming back to this slot
+
+    def ahead(self, group: int, capturing: bool = False) -> int | None:
+        """The group whose bytes may start crossing the link now, ahead of its slot, once `group` was
+        started into its slot (a compressed group's blob into a free landing buffer; the schedule's
+        bookkeeping does not change): `after(group)`, unless that group belongs to the next forward
+        (those go in that forward's run order, each when its slot comes free: `on_release`)."""
+        nxt = self.after(group, capturing)
+        if nxt is not None and not capturing and self._crosses(group, nxt):
+            return None
+        return nxt
 
     def on_release(self, group: int, capturing: bool = False) -> ReleasePlan:
         """Bookkeeping for "group finished computing"; returns what to copy and whether to join (where a

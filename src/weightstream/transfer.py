@@ -39,7 +39,7 @@ class SyncTransfer:
 
     def start_copy(self, slot: int, group: int) -> None:
         """Fill `slot` with `group` (here: at once). The engine follows each call with
-        `copy_ahead(Schedule.after(group))`."""
+        `copy_ahead(Schedule.ahead(group))`."""
         self._copy(slot, group)
 
     def copy_ahead(self, then: int | None) -> None:
@@ -129,9 +129,20 @@ class CudaTransfer(SyncTransfer):
                 "CUDA graph capture needs pinned host memory: offload with pin_memory=True (the default)"
             )
 
+    def after_last_write(self, stream: torch.cuda.Stream, slot: int) -> None:
+        """Make `stream` wait for the last write into `slot` (the event `ready[slot]`, where it was
+        recorded in the same capture state). Writes into one slot come from two streams where a model
+        streams some groups raw (copies) and some compressed (decodes): nothing else orders such a
+        copy after a decode into the same slot, or a decode after a copy, when no compute waited for
+        the slot in between (a new pass started while the last forward's copies were in flight)."""
+        if self.ready_in_capture[slot] == torch.cuda.is_current_stream_capturing():
+            stream.wait_event(self.ready[slot])
+
     def start_copy(self, slot: int, group: int) -> None:
-        """Start copying `group` into `slot` on the copy stream once compute has released the slot."""
+        """Start copying `group` into `slot` on the copy stream once compute has released the slot and
+        the slot's last write is done."""
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        self.after_last_write(self.stream, slot)
         with torch.cuda.stream(self.stream):
             self._copy_async(slot, group)
         self.ready[slot].record(self.stream)

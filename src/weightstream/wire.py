@@ -233,6 +233,7 @@ class CodedCudaTransfer(CudaTransfer):
         if land:
             self._land(buffer, group, capturing)
         self.decode_stream.wait_stream(compute)  # the slot is free
+        self.after_last_write(self.decode_stream, slot)  # a raw copy into it may still run
         if self.landed_in_capture[buffer] == capturing:
             self.decode_stream.wait_event(self.landed[buffer])  # the blob is there (not what follows it)
         with torch.cuda.stream(self.decode_stream):
