@@ -1,5 +1,6 @@
 import torch
 
+from weightstream import host, replay
 from weightstream.host import HostArena
 
 
@@ -49,14 +50,30 @@ def test_a_dropped_pinned_arena_is_unregistered_once(monkeypatch):
             calls.append(("unregister", ptr))
             return 0
 
+    capturing = [False]
     monkeypatch.setattr(torch.cuda, "cudart", lambda: CountingCudart)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(("synchronize", device)))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
     arena = HostArena([4096], pin=True)
     ptr = calls[0][1]
     del arena
     gc.collect()
-    assert calls == [("register", ptr), ("unregister", ptr)]
+    # copies out of it may still run (the next forward's first groups): its device first, then unpin
+    assert calls == [("register", ptr), ("synchronize", 3), ("unregister", ptr)]
     closed = HostArena([4096], pin=True)
     closed.close()
     del closed
     gc.collect()
-    assert [c[0] for c in calls[2:]] == ["register", "unregister"]  # close() then the drop: once
+    # close() unpins, the drop then does nothing
+    assert [c[0] for c in calls[3:]] == ["register", "synchronize", "unregister"]
+    del calls[:]
+    during = HostArena([4096], pin=True)  # dropped while a graph is captured: neither is allowed then
+    capturing[0] = True
+    del during
+    gc.collect()
+    host.unpin_deferred()  # still capturing: nothing yet
+    assert [c[0] for c in calls] == ["register"]
+    capturing[0] = False
+    replay.notify()  # the capture's end
+    assert [c[0] for c in calls] == ["register", "synchronize", "unregister"]

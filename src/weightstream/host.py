@@ -47,7 +47,8 @@ class HostArena:
             self.pinned_bytes = self._raw.numel()
         # Unpin when closed, or when the arena is dropped without close(); the finalizer holds the
         # allocation, so it is freed only after it is unregistered.
-        self._unpin = weakref.finalize(self, _unregister, self._raw, bool(self.pinned_bytes))
+        device = torch.cuda.current_device() if self.pinned_bytes else None
+        self._unpin = weakref.finalize(self, _unregister, self._raw, device)
 
     def region(self, group: int) -> torch.Tensor:
         """Return group `group`'s bytes as a uint8 tensor view."""
@@ -60,10 +61,25 @@ class HostArena:
         self.pinned_bytes = 0
 
 
-def _unregister(raw: torch.Tensor, pinned: bool) -> None:
-    if pinned:
-        # copies out of it may still be in flight when it is dropped without close(): a forward's last
-        # releases start the next forward's copies, which no later call waits for
-        for device in range(torch.cuda.device_count()):
-            torch.cuda.synchronize(device)
-        torch.cuda.cudart().cudaHostUnregister(raw.data_ptr())
+_deferred: list[tuple[torch.Tensor, int]] = []  # arenas dropped during a graph capture, still pinned
+
+
+def _unregister(raw: torch.Tensor, device: int | None) -> None:
+    """Unpin `raw` (pinned for copies to `device`; None: never pinned). Copies out of it may still be in
+    flight when the arena is dropped without close(): a forward's last releases start the next
+    forward's copies, which no later call waits for. So the device is synchronized first, unless a
+    graph capture is under way (the garbage collector can run anywhere), where neither that nor
+    unpinning is allowed: then it waits for `unpin_deferred`, which the capture's end calls."""
+    if device is None:
+        return
+    if torch.cuda.is_current_stream_capturing():
+        _deferred.append((raw, device))
+        return
+    torch.cuda.synchronize(device)
+    torch.cuda.cudart().cudaHostUnregister(raw.data_ptr())
+
+
+def unpin_deferred() -> None:
+    """Unpin the arenas dropped during a graph capture (`replay.notify` calls it)."""
+    while _deferred and not torch.cuda.is_current_stream_capturing():
+        _unregister(*_deferred.pop())

@@ -191,9 +191,12 @@ class OffloadHandle:
         slots' bookkeeping stays true (nothing was copied behind its back)."""
         self._leave()
 
-    def on_graph_event(self) -> None:
+    def on_graph_event(self, synchronize: bool = False) -> None:
         """A CUDA graph capture begins or ends, or a replay starts (`replay.py`): join the copies in
-        flight and forget what the slots hold."""
+        flight (`synchronize`: before a capture, wait for them on the host) and forget what the slots
+        hold."""
+        if synchronize:
+            self._transfer.synchronize()
         self._transfer.join_for_graph()
         self._invalidate()
 

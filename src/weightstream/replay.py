@@ -20,23 +20,28 @@ from collections.abc import Callable
 
 import torch
 
-from . import ops
+from . import host, ops
 
 _installed = False
 
 
-def notify() -> None:
+def notify(capture_begins: bool = False) -> None:
     """Make every live engine join its copies in flight and forget its slots' contents. Called before
     a graph capture begins, before and after it ends and before each replay (tests call it to
-    simulate one)."""
+    simulate one). Before a capture begins each engine also blocks until its copies are done: an eager
+    forward's last releases may have started the next forward's copies, and a capture cannot order
+    its own work after eager work still in flight (torch.cuda.graph synchronizes the device first
+    anyway; a bare `CUDAGraph.capture_begin` need not). Pinned memory whose unpinning was put off by
+    a capture is unpinned here, after it (`host.unpin_deferred`)."""
     for engine in ops.engines():
-        engine.on_graph_event()
+        engine.on_graph_event(synchronize=capture_begins)
+    host.unpin_deferred()
 
 
-def _wrap(method: Callable, after: bool = False) -> Callable:
+def _wrap(method: Callable, after: bool = False, begins: bool = False) -> Callable:
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
-        notify()
+        notify(capture_begins=begins)
         result = method(self, *args, **kwargs)
         if after:
             notify()
@@ -58,4 +63,4 @@ def install() -> None:
     for name, after in (("capture_begin", False), ("capture_end", True), ("replay", False)):
         method = getattr(graph, name)
         if not getattr(method, "_weightstream_wrapped", False):
-            setattr(graph, name, _wrap(method, after))
+            setattr(graph, name, _wrap(method, after, begins=name == "capture_begin"))
