@@ -212,9 +212,10 @@ def test_a_group_alone_in_its_slot_stays_there():
 
 
 def test_compressed_groups_of_the_next_forward_land_ahead_too():
-    # as above: the first forward ends at 23 (blob 3 landed at 20). The next forward's blob 0 was
-    # issued at block 0's release (8) and waits for the link: 20..25, decode 25..27, compute ..28;
-    # blob 1 25..30, decode 30..32, ..33; blob 2 30..35, ..38; blob 3 35..40, ..43: 20 s, the link's
+    # as above: the first forward ends at 23 (blob 3 landed at 20). The next forward's first blobs
+    # are not copied ahead across forwards: blob 0 goes when block 2 releases (18) and waits for the
+    # link: 20..25, decode 25..27, compute ..28; blob 1 (block 3's release, 23) 25..30, decode
+    # 30..32, ..33; blob 2 30..35, ..38; blob 3 35..40, ..43: 20 s, the link's
     p = predict(_coded(4, 1000, 500), (0, 1, 2, 3), 2, (), 1, CODED, compressed=True)
     assert p.ms == pytest.approx(23e3) and p.warm_ms == pytest.approx(20e3)
 
@@ -246,3 +247,18 @@ def test_a_warm_forward_is_at_least_compute_and_at_most_a_cold_one_plus_its_earl
         assert p.warm_ms <= p.ms + lead + tol
     if not streamed:  # nothing is prefetched: every forward is alike
         assert p.warm_ms == p.ms
+
+
+def test_the_next_forwards_first_group_starts_when_its_slot_comes_free():
+    # compute-bound (wire 1 s, decode 2 s, compute 10 s per block), two slots. Four groups: the next
+    # forward's group 0 shares slot 0 with group 2, so it starts when group 2 releases and its blob
+    # lands while group 3 computes: each further forward saves the first blob's second (49 -> 48).
+    # Five groups: group 0 shares slot 0 with the last group (4), so it starts only at the very end
+    # and its blob is as exposed as in the first forward (61 both); group 1, whose slot came free
+    # earlier, waits for it (the next forward's groups start in its run order).
+    fast_link = MachineProfile("c", 0.002, resident={1: 0.01, 2048: 0.01}, uva={1: 1.0, 2048: 1.0},
+                               decode_s_per_byte=0.002)
+    even = predict(_coded(4, 1000, 500), (0, 1, 2, 3), 2, (), 1, fast_link, compressed=True)
+    assert (even.ms, even.warm_ms) == pytest.approx((49e3, 48e3))
+    odd = predict(_coded(5, 1000, 500), (0, 1, 2, 3, 4), 2, (), 1, fast_link, compressed=True)
+    assert (odd.ms, odd.warm_ms) == pytest.approx((61e3, 61e3))

@@ -214,7 +214,8 @@ def predict(
     decoded: dict[int, float] = {}  # compressed global group -> time its decode ended
     released: dict[int, float] = {}  # global group -> time compute released its slot
     buffer_free: dict[int, float] = {}  # landing buffer -> time its last decode ended
-    waiting: set[int] = set()  # the next forward's first groups whose slots are free, not yet copied
+    waiting: set[int] = set()  # the next forward's first groups whose slots are free, not yet started
+    started: dict[int, float] = {}  # the next forward's first groups -> when they were started
     compute = copy = decode = prologue = 0.0
     link = [0.0] * (forwards + 1)
     ends = []
@@ -228,14 +229,26 @@ def predict(
         link[k // n] += seconds
         landed[k] = copy
 
+    def start_of(k: int) -> float:
+        """When group k is started into its slot (its copy, or its decode): in the prologue, at the
+        release of the group before it in its slot, or, for the next forward's first groups, when
+        their turn comes (`started`)."""
+        if k in started:
+            return started[k]
+        return prologue if before[k] is None else released[before[k]]
+
     def land_ahead(k: int) -> None:
-        """Compressed `k`'s blob: issued at the start of the group before it in its slot (the
-        prologue for the first two rounds), after its landing buffer's last decode."""
+        """Compressed `k`'s blob, after its landing buffer's last decode: issued at the start of the
+        group before it in its slot (copied ahead), or, for the next forward's first groups (never
+        copied ahead across forwards), at its own start."""
         if stays[k]:
             return
-        first = before[k]
-        start = None if first is None else before[first]
-        issued = prologue if start is None else released[start]
+        if k in started:  # the next forward's first groups
+            issued = started[k]
+        elif before[k] is None:  # the first forward's first round
+            issued = prologue
+        else:
+            issued = start_of(before[k])
         land(k, max(issued, buffer_free.get((k % n) % n_buffers, 0.0)))
 
     def gemm_seconds(rate, block: int) -> float:
@@ -272,21 +285,24 @@ def predict(
             compute += on_device[block]
             if k is not None:
                 released[k] = compute
-                if not compressed:  # released: the next group of this slot, into the next forward too
-                    after = next((j for j in range(k + 1, k + n + 1) if before[j] == k), None)
-                    if after is not None and after // n == forward:
-                        if not stays[after]:
-                            land(after, compute)
-                    elif after is not None:  # the next forward's first groups: copied in its order
-                        waiting.add(after)
-                        base = (forward + 1) * n
-                        for j in range(base, base + min(n_slots, n)):
-                            if stays[j] or j in landed:
-                                continue
-                            if j in waiting:
+                # released: the next group of this slot is started (raw: copied), into the next
+                # forward too, whose first groups start in its run order
+                after = next((j for j in range(k + 1, k + n + 1) if before[j] == k), None)
+                if after is not None and after // n == forward:
+                    if not compressed and not stays[after]:
+                        land(after, compute)
+                elif after is not None:
+                    waiting.add(after)
+                    base = (forward + 1) * n
+                    for j in range(base, base + min(n_slots, n)):
+                        if stays[j] or j in started:
+                            continue
+                        if j in waiting:
+                            started[j] = compute
+                            if not compressed:
                                 land(j, compute)
-                            elif g != n - 1:
-                                break  # its slot is still in use
+                        elif g != n - 1:
+                            break  # its slot is still in use
 
         compute += profile.resident_seconds(model.head_bytes, tokens)
         ends.append(compute)
