@@ -169,3 +169,31 @@ def test_the_next_forwards_copies_start_in_its_run_order(n_groups, n_slots):
         # the releases copy this forward's later groups, then the next forward's first ones, in order
         assert sim.issued == list(range(n_slots, n_groups)) + list(range(n_slots))
     assert sim.schedule.misses == 0 and sim.schedule.prologues == 1 and not sim.schedule.deferred
+
+
+@pytest.mark.parametrize("coded", [False, True])
+@pytest.mark.parametrize("n_groups, n_slots", [(5, 2), (7, 2), (6, 2), (7, 3), (5, 1)])
+def test_bytes_cross_the_link_in_run_order_across_forwards(n_groups, n_slots, coded):
+    """What the engine moves over the link, as it calls the schedule: each wait's and release's copies
+    (a compressed group whose blob was sent ahead moves nothing then), then, compressed, each copy's
+    `ahead` (its blob into a landing buffer). Over a loop of forwards the groups' bytes cross in run
+    order, also across forwards: the next forward's group 1 never overtakes its group 0."""
+    schedule, sent, link = Schedule(n_groups, n_slots), set(), []
+
+    def started(copies):
+        for _, g in copies:
+            if g not in sent:
+                link.append(g)
+            sent.discard(g)
+        for _, g in copies if coded else ():
+            nxt = schedule.ahead(g)
+            if nxt is not None and nxt not in sent and schedule.content[schedule.slot(nxt)] != nxt:
+                sent.add(nxt)
+                link.append(nxt)
+
+    for _ in range(4):
+        for g in range(n_groups):
+            started(schedule.on_wait(g).copies)
+            started(schedule.on_release(g).copies)
+    assert link == [i % n_groups for i in range(len(link))], link
+    assert len(link) >= 4 * n_groups

@@ -216,6 +216,7 @@ def predict(
     buffer_free: dict[int, float] = {}  # landing buffer -> time its last decode ended
     waiting: set[int] = set()  # the next forward's first groups whose slots are free, not yet started
     started: dict[int, float] = {}  # the next forward's first groups -> when they were started
+    lead_issued: dict[int, float] = {}  # compressed: when their blobs were sent (ahead, or at start)
     compute = copy = decode = prologue = 0.0
     link = [0.0] * (forwards + 1)
     ends = []
@@ -239,12 +240,15 @@ def predict(
 
     def land_ahead(k: int) -> None:
         """Compressed `k`'s blob, after its landing buffer's last decode: issued at the start of the
-        group before it in its slot (copied ahead), or, for the next forward's first groups (never
-        copied ahead across forwards), at its own start."""
+        group before it in its slot (copied ahead; for the next forward's first groups only once the
+        ones before them in its run order were sent, else at their own start)."""
         if stays[k]:
             return
-        if k in started:  # the next forward's first groups
-            issued = started[k]
+        if k in started:  # the next forward's first groups: ahead only behind the ones before them
+            early = start_of(before[k]) if before[k] is not None else None
+            prior = [lead_issued[j] for j in range(k - k % n, k) if j in lead_issued]
+            issued = early if early is not None and all(t <= early for t in prior) else started[k]
+            lead_issued[k] = issued
         elif before[k] is None:  # the first forward's first round
             issued = prologue
         else:

@@ -74,6 +74,7 @@ class Schedule:
         # slot -> the next forward's group to copy there once the groups before it in that forward
         # have been copied (their slots are still in use): the next forward's copies go in run order
         self.deferred: dict[int, int] = {}
+        self.sent_ahead: set[int] = set()  # the next forward's first groups whose bytes `ahead` sent
 
     def slot(self, group: int) -> int:
         """Return the slot that stages `group`."""
@@ -85,6 +86,7 @@ class Schedule:
         self.last_release = None
         self.pass_start = None
         self.deferred = {}
+        self.sent_ahead = set()
 
     def _next(self, group: int, capturing: bool) -> int | None:
         """The group after `group` in the learned run order; None where a pass ends."""
@@ -103,6 +105,7 @@ class Schedule:
         while that slot has not been given one yet."""
         copies: list[tuple[int, int]] = []
         self.deferred = {}  # slots are being given other groups: nothing waits for them any more
+        self.sent_ahead = set()
         g: int | None = group
         for _ in range(self.n_groups):
             if g is None or len(copies) == self.n_slots:
@@ -125,6 +128,7 @@ class Schedule:
             self.succ[last] = group
         if group == self.pass_start:
             self.misses_last_pass = 0  # the pass begins again: the next forward
+            self.sent_ahead = set()
         plan = WaitPlan(group, self.slot(group))
         if self.content[plan.slot] == group:
             return plan
@@ -155,11 +159,19 @@ class Schedule:
     def ahead(self, group: int, capturing: bool = False) -> int | None:
         """The group whose bytes may start crossing the link now, ahead of its slot, once `group` was
         started into its slot (a compressed group's blob into a free landing buffer; the schedule's
-        bookkeeping does not change): `after(group)`, unless that group belongs to the next forward
-        (those go in that forward's run order, each when its slot comes free: `on_release`)."""
+        bookkeeping does not change): `after(group)`. One of the next forward's first groups only once
+        every group before it in that forward's run order was started or sent ahead, so their bytes
+        cross the link in the order that forward needs them."""
         nxt = self.after(group, capturing)
-        if nxt is not None and not capturing and self._crosses(group, nxt):
+        if nxt is None or capturing or not self._crosses(group, nxt):
+            return nxt
+        lead = self._lead()
+        if nxt not in lead:
             return None
+        for g in lead[: lead.index(nxt)]:
+            if self.content[self.slot(g)] != g and g not in self.sent_ahead:
+                return None
+        self.sent_ahead.add(nxt)
         return nxt
 
     def on_release(self, group: int, capturing: bool = False) -> ReleasePlan:
