@@ -130,6 +130,37 @@ def test_a_loop_of_forwards_prefetches_across_them_and_stays_exact(compress, str
     handle.restore()
 
 
+def test_raw_and_compressed_groups_sharing_slots_stay_exact_in_any_order(monkeypatch):
+    """Groups 0-2 stream raw (copies on the copy stream) and group 3 compressed (decodes on the decode
+    stream) through two slots, as where some groups do not shrink: forwards back to back and layers
+    called by hand out of order, so raw copies and decodes go into the same slots with no compute
+    between them (tests/test_stream_order.py checks their ordering with fake streams)."""
+    import sys
+
+    engine = sys.modules["weightstream.offload"]
+    encode = engine.encode_groups
+    monkeypatch.setattr(engine, "encode_groups", lambda *a, **k: [None, None, None] + encode(*a, **k)[3:])
+    ref, model = twins()
+    cost = prepare(model, gpu_memory=2**40, compress=True).cost
+    placement = placement_of(cost, (0, 1, 2, 3), 2, compressed=True)
+    handle = ws.offload(model, gpu_memory=placement.gpu_bytes, placement=placement)
+    assert handle._wire[:3] == [None] * 3 and handle._wire[3] is not None  # the mix it is about
+    hidden = torch.randn(2, 16, 64, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pos = model.model.rotary_emb(hidden, torch.arange(16, device="cuda")[None])
+        outs, wants = [], []
+        for step in range(3):
+            outs.append(model(ids_for(step)).logits)
+            wants.append(ref(ids_for(step)).logits)
+            for i in (0, 2, 1, 3, 3, 0):
+                outs.append(model.model.layers[i](hidden, position_embeddings=pos, attention_mask=None))
+                wants.append(ref.model.layers[i](hidden, position_embeddings=pos, attention_mask=None))
+    for out, want in zip(outs, wants, strict=True):
+        assert torch.equal(out, want)
+    handle.restore()
+
+
 @pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("n_slots", [1, 2])
 def test_manual_cuda_graph_replay_is_exact_and_self_contained(compiled, n_slots, eager_rounding):
