@@ -21,13 +21,19 @@ from pathlib import Path
 
 import weightstream as ws
 from weightstream.pipeline import _resolve_calls, component_costs, modules_of, split_budget
+from weightstream.plan import plan
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_pipeline import example  # noqa: E402  (examples/flux_offload.py as a module)
 
+STEP_TOKENS = 4096 + 512
 
-def describe(plan) -> str:
-    p = plan.placement
+
+def describe(component) -> str:
+    return describe_placement(component.placement)
+
+
+def describe_placement(p) -> str:
     where = (f"{len(p.streamed)} streamed, {p.n_slots} slot(s)" if p.streamed else
              f"{len(p.uva)} zero copy" if p.uva else "resident")
     if p.streamed and p.uva:
@@ -72,6 +78,19 @@ def main(argv: list[str] | None = None) -> int:
             total = sum(p.generation_ms for p in plans.values())
             lines.append(f"| {budget} | {compress} | {total:.0f} | "
                          + " | ".join(describe(plans[n]) for n in names) + " |")
+    # the transformer alone at each budget, at the bench's denoise-b1 phase (4096 image + 512 text
+    # tokens), what `bash benchmarks/diffusion_h200.sh flux` measures
+    lines += ["", "The transformer alone, one denoising step of 4608 tokens (the bench's `denoise-b1`):", "",
+              "| budget | placement; predicted ms per step in a loop (the first) | resident compute |",
+              "| --- | --- | --- |"]
+    for budget in args.budgets.split(","):
+        try:
+            p = plan(costs[True]["transformer"], ws.parse_size(budget), STEP_TOKENS, profile, "auto",
+                     compress="auto")
+        except ws.BudgetError as exc:
+            lines.append(f"| {budget} | does not fit: {exc} | |")
+            continue
+        lines.append(f"| {budget} | {describe_placement(p)} | {p.prediction.compute_ms:.1f} ms (model) |")
     lines.append(f"\n({time.perf_counter() - start:.0f} s)")
     text = "\n".join(lines)
     print(text)

@@ -61,8 +61,12 @@ def test_the_predicted_pipeline_split_script_prints_every_budget_and_mode(tmp_pa
     out = tmp_path / "plan.md"
     args = ["--tiny", "--budgets", "100KiB,1KiB", "--decode-gbps", "990", "--out", str(out)]
     assert script("plan_flux_pipeline").main(args) == 0
-    rows = [line for line in out.read_text().splitlines() if line.startswith("| 1")]
+    text = out.read_text()
+    split, alone = text.split("The transformer alone")
+    rows = [line for line in split.splitlines() if line.startswith("| 1")]
     assert len(rows) == 6  # two budgets x (False, True, auto)
+    steps = [line for line in alone.splitlines() if line.startswith("| 1")]
+    assert len(steps) == 2 and "ms/call" in steps[0] and "does not fit" in steps[1]
     assert all("does not fit" in r for r in rows if r.startswith("| 1KiB"))  # below every component's minimum
     fits = [r for r in rows if r.startswith("| 100KiB")]
     assert all("ms/call" in r and "does not fit" not in r for r in fits)
