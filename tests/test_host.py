@@ -50,30 +50,33 @@ def test_a_dropped_pinned_arena_is_unregistered_once(monkeypatch):
             calls.append(("unregister", ptr))
             return 0
 
-    capturing = [False]
+    capturing = [False]  # what is_current_stream_capturing says on this thread
     monkeypatch.setattr(torch.cuda, "cudart", lambda: CountingCudart)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: calls.append(("synchronize", device)))
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
-    arena = HostArena([4096], pin=True)
+    arena = HostArena([4096], pin=True, device=torch.device("cuda", 1))  # copies go to cuda:1
     ptr = calls[0][1]
     del arena
     gc.collect()
     # copies out of it may still run (the next forward's first groups): its device first, then unpin
-    assert calls == [("register", ptr), ("synchronize", 3), ("unregister", ptr)]
-    closed = HostArena([4096], pin=True)
+    assert calls == [("register", ptr), ("synchronize", 1), ("unregister", ptr)]
+    closed = HostArena([4096], pin=True)  # no device given: the current one
     closed.close()
     del closed
     gc.collect()
     # close() unpins, the drop then does nothing
-    assert [c[0] for c in calls[3:]] == ["register", "synchronize", "unregister"]
-    del calls[:]
-    during = HostArena([4096], pin=True)  # dropped while a graph is captured: neither is allowed then
-    capturing[0] = True
-    del during
-    gc.collect()
-    host.unpin_deferred()  # still capturing: nothing yet
-    assert [c[0] for c in calls] == ["register"]
-    capturing[0] = False
-    replay.notify()  # the capture's end
-    assert [c[0] for c in calls] == ["register", "synchronize", "unregister"]
+    assert calls[3:] == [("register", calls[3][1]), ("synchronize", 3), ("unregister", calls[3][1])]
+    for capture_here in (True, False):  # a capture on this thread, or on another one (counted)
+        del calls[:]
+        during = HostArena([4096], pin=True)  # dropped while a graph is captured: neither is allowed
+        capturing[0] = capture_here
+        host.capture_began()
+        del during
+        gc.collect()
+        host.unpin_deferred()  # still capturing: nothing yet
+        assert [c[0] for c in calls] == ["register"]
+        capturing[0] = False
+        host.capture_ended()
+        replay.notify()  # the capture's end
+        assert [c[0] for c in calls] == ["register", "synchronize", "unregister"]

@@ -54,8 +54,14 @@ class Stream:
         self.merge(other.clock)
 
     def wait_event(self, event: Event) -> None:
-        if event.clock is not None:  # an event never recorded: nothing to wait for, as in CUDA
-            self.merge(event.clock)
+        if event.clock is None:  # an event never recorded: nothing to wait for, as in CUDA
+            return
+        if event.capture != FAKE.capture:  # CUDA forbids it (merging captures, or eager on captured)
+            def where(capture):
+                return f"in capture {capture}" if capture else "eagerly"
+
+            raise Race(f"{self.name} waits {where(FAKE.capture)} on an event recorded {where(event.capture)}")
+        self.merge(event.clock)
 
     def synchronize(self) -> None:
         pass
@@ -64,9 +70,11 @@ class Stream:
 class Event:
     def __init__(self, *args, **kwargs) -> None:
         self.clock: dict | None = None
+        self.capture: int | None = None  # the capture it was recorded in, None: eagerly
 
     def record(self, stream: Stream | None = None) -> None:
         self.clock = dict((stream or FAKE.current).clock)
+        self.capture = FAKE.capture
 
 
 def before(stream: Stream, clock: dict, later: dict) -> bool:
@@ -119,7 +127,8 @@ class FakeCuda:
 
     def __init__(self) -> None:
         self.compute = self.current = Stream("compute")
-        self.capturing = False
+        self.capture: int | None = None  # the capture under way (all streams join it), None: eager
+        self.captures = itertools.count(1)
 
     def Stream(self, *args, **kwargs) -> Stream:  # noqa: N802 (torch's name)
         return Stream()
@@ -136,7 +145,7 @@ class FakeCuda:
             self.current = old
 
     def is_current_stream_capturing(self) -> bool:
-        return self.capturing
+        return self.capture is not None
 
     def synchronize(self, *args) -> None:
         pass
@@ -215,6 +224,18 @@ def engine(n_groups: int, n_slots: int, coded: list[bool], n_landing: int):
     return handle
 
 
+def capture(handle, groups) -> None:
+    """A CUDA graph capture of `groups`' blocks, with the engine told as `replay.py` tells it: before it
+    begins (and waits on the host for its copies), before it ends (inside it) and after it ends."""
+    handle.on_graph_event(synchronize=True)
+    FAKE.capture = next(FAKE.captures)
+    for g in groups:
+        run_block(handle, g)
+    handle.on_graph_event()
+    FAKE.capture = None
+    handle.on_graph_event()
+
+
 def run_block(handle, group: int, abort: bool = False) -> None:
     """A streamed block: wait, compute reading its slot on the compute stream, release (or raise)."""
     handle.wait(group)
@@ -231,7 +252,7 @@ def cases(draw):
     order = draw(st.permutations(range(n)))
     calls = draw(st.lists(st.one_of(
         st.just("forward"), st.just("in order"), st.just("notify"),
-        st.tuples(st.just("part"), st.integers(0, n - 1), st.integers(0, n)),
+        st.tuples(st.sampled_from(["part", "capture"]), st.integers(0, n - 1), st.integers(0, n)),
         st.tuples(st.just("block"), st.integers(0, n - 1), st.booleans())), min_size=1, max_size=10))
     return n, k, coded, landing, list(order), calls
 
@@ -240,8 +261,9 @@ def cases(draw):
 @given(case=cases())
 def test_every_access_to_a_slot_or_landing_buffer_is_ordered_and_reads_its_group(fake_cuda, case):
     """Whole forwards in a learned order or module order, parts of them, blocks called alone (some
-    raising), and graph events (a capture's start or end, a replay) in any sequence, with any mix of
-    raw and compressed groups: no unordered access, no stale read."""
+    raising), replays (the engine told of them) and captures of a forward or part of one, in any
+    sequence, with any mix of raw and compressed groups: no unordered access, no stale read, and no
+    wait on an event of another capture (or, eagerly, of a capture)."""
     n, k, coded, landing, order, calls = case
     handle = engine(n, k, coded, landing)
     with warnings.catch_warnings():
@@ -252,6 +274,9 @@ def test_every_access_to_a_slot_or_landing_buffer_is_ordered_and_reads_its_group
                 continue
             if call in ("forward", "in order"):
                 groups = order if call == "forward" else range(n)
+            elif call[0] == "capture":
+                capture(handle, order[call[1]:call[2]])
+                continue
             elif call[0] == "part":
                 groups = order[call[1]:call[2]]
             else:
@@ -276,3 +301,21 @@ def test_a_raw_copy_and_a_decode_into_one_slot_are_ordered(fake_cuda):
         with pytest.raises(Race, match="slot0: writing 4 on decode is not ordered after copy"):
             for g in order:
                 run_block(handle, g)
+
+
+def test_two_captures_in_a_row_never_wait_on_each_others_events(fake_cuda):
+    """A second capture right after a first (another batch size), no eager call between: without
+    `forget_events` its first copy would wait on the slot's event recorded in the first capture."""
+    for coded in ([False] * 4, [True] * 4, [False, True, False, True]):
+        handle = engine(4, 2, coded, 2)
+        for g in range(4):
+            run_block(handle, g)
+        capture(handle, range(4))
+        capture(handle, range(4))
+        for g in range(4):
+            run_block(handle, g)
+    handle = engine(4, 2, [False] * 4, 2)
+    handle._transfer.forget_events = lambda: None  # left out: the second capture waits on the first's
+    capture(handle, range(4))
+    with pytest.raises(Race, match=r"waits in capture \d+ on an event recorded in capture \d+"):
+        capture(handle, range(4))

@@ -336,7 +336,8 @@ def from_pretrained(
         sizes += prep.uva_group_bytes
         coded = frozenset(g for g, enc in enumerate(prep.wire) if enc is not None)
     try:
-        arena = HostArena([0 if g in on_disk else b for g, b in enumerate(sizes)], pin=pin)
+        arena = HostArena([0 if g in on_disk else b for g, b in enumerate(sizes)], pin=pin,
+                          device=prep.device)
     except BaseException:
         if disk is not None:
             disk.close()

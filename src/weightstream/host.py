@@ -7,6 +7,7 @@ with cudaHostRegister, one region for all groups, each group a contiguous slice 
 
 from __future__ import annotations
 
+import threading
 import weakref
 
 import torch
@@ -18,13 +19,14 @@ _PAGE = 4096
 
 
 class HostArena:
-    """Host memory holding every streamed group, pinned (page-locked) when `pin` is true.
+    """Host memory holding every streamed group, pinned (page-locked) when `pin` is true, for copies to
+    `device` (a CUDA device; None: the current one).
 
     `group_bytes[i]` is the size in bytes of group i's region; `region(i)` is a uint8 CPU tensor.
     Call `close()` to unpin; the memory is freed with the last reference to the tensors.
     """
 
-    def __init__(self, group_bytes: list[int], pin: bool) -> None:
+    def __init__(self, group_bytes: list[int], pin: bool, device: torch.device | None = None) -> None:
         self.offsets = [sum(group_bytes[:i]) for i in range(len(group_bytes))]
         self.group_bytes = list(group_bytes)
         self.nbytes = sum(group_bytes)
@@ -47,8 +49,12 @@ class HostArena:
             self.pinned_bytes = self._raw.numel()
         # Unpin when closed, or when the arena is dropped without close(); the finalizer holds the
         # allocation, so it is freed only after it is unregistered.
-        device = torch.cuda.current_device() if self.pinned_bytes else None
-        self._unpin = weakref.finalize(self, _unregister, self._raw, device)
+        # the device its copies go to (`device`, else the current one), synchronized before unpinning
+        index = None
+        if self.pinned_bytes:
+            index = device.index if device is not None and device.index is not None else \
+                torch.cuda.current_device()
+        self._unpin = weakref.finalize(self, _unregister, self._raw, index)
 
     def region(self, group: int) -> torch.Tensor:
         """Return group `group`'s bytes as a uint8 tensor view."""
@@ -61,25 +67,47 @@ class HostArena:
         self.pinned_bytes = 0
 
 
+_lock = threading.Lock()
 _deferred: list[tuple[torch.Tensor, int]] = []  # arenas dropped during a graph capture, still pinned
+_captures = 0  # graph captures under way in this process (replay.py counts them)
 
 
 def _unregister(raw: torch.Tensor, device: int | None) -> None:
     """Unpin `raw` (pinned for copies to `device`; None: never pinned). Copies out of it may still be in
     flight when the arena is dropped without close(): a forward's last releases start the next
     forward's copies, which no later call waits for. So the device is synchronized first, unless a
-    graph capture is under way (the garbage collector can run anywhere), where neither that nor
-    unpinning is allowed: then it waits for `unpin_deferred`, which the capture's end calls."""
+    graph capture is under way (the garbage collector can run anywhere, in any thread), where neither
+    that nor unpinning is allowed: then it waits for `unpin_deferred`, which the capture's end calls."""
     if device is None:
         return
-    if torch.cuda.is_current_stream_capturing():
-        _deferred.append((raw, device))
-        return
+    with _lock:
+        if _captures or torch.cuda.is_current_stream_capturing():
+            _deferred.append((raw, device))
+            return
     torch.cuda.synchronize(device)
     torch.cuda.cudart().cudaHostUnregister(raw.data_ptr())
 
 
+def capture_began() -> None:
+    """A graph capture began (`replay.py`): unpinning waits until it ends."""
+    global _captures
+    with _lock:
+        _captures += 1
+
+
+def capture_ended() -> None:
+    """A graph capture ended (`replay.py`)."""
+    global _captures
+    with _lock:
+        _captures = max(0, _captures - 1)
+
+
 def unpin_deferred() -> None:
-    """Unpin the arenas dropped during a graph capture (`replay.notify` calls it)."""
-    while _deferred and not torch.cuda.is_current_stream_capturing():
-        _unregister(*_deferred.pop())
+    """Unpin the arenas dropped during a graph capture, once none is under way (`replay.notify`)."""
+    with _lock:
+        if not _deferred or _captures or torch.cuda.is_current_stream_capturing():
+            return
+        pending = list(_deferred)
+        _deferred.clear()
+    for raw, device in pending:
+        _unregister(raw, device)

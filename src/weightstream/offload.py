@@ -160,7 +160,7 @@ class OffloadHandle:
             for slot, g in plan.copies:  # every group of the prologue first, then what goes ahead
                 self._transfer.start_copy(slot, g)
             for _, g in plan.copies:
-                self._transfer.copy_ahead(self._schedule.ahead(g, capturing))
+                self._copy_ahead(g, capturing)
             self._transfer.wait(plan.slot)
             if plan.miss and not self._warned:
                 self._warned = True
@@ -181,10 +181,18 @@ class OffloadHandle:
         for slot, g in plan.copies:  # every copy first, then what goes ahead, as a prologue does
             self._transfer.start_copy(slot, g)
         for _, g in plan.copies:
-            self._transfer.copy_ahead(self._schedule.ahead(g, self._capturing))
+            self._copy_ahead(g, self._capturing)
         if plan.join:
             self._transfer.join()
         self._leave()
+
+    def _copy_ahead(self, group: int, capturing: bool) -> None:
+        """After `group` was started into its slot: send the bytes of the group the schedule offers
+        ahead of its slot, where the transfer can (a compressed group's blob into a free landing
+        buffer), and tell the schedule when it did."""
+        nxt = self._schedule.ahead(group, capturing)
+        if nxt is not None and self._transfer.copy_ahead(nxt):
+            self._schedule.sent(nxt)
 
     def abort(self) -> None:
         """A block raised between its wait and its release: free the engine for other threads. The
@@ -196,8 +204,9 @@ class OffloadHandle:
         flight (`synchronize`: before a capture, wait for them on the host) and forget what the slots
         hold."""
         if synchronize:
-            self._transfer.synchronize()
+            self._transfer.synchronize_idle()
         self._transfer.join_for_graph()
+        self._transfer.forget_events()
         self._invalidate()
 
     def _invalidate(self) -> None:
@@ -421,7 +430,7 @@ def offload(
         sizes = [enc.wire_bytes if enc else size
                  for enc, size in zip(prep.wire, prep.group_bytes, strict=True)] + prep.uva_group_bytes
         coded = frozenset(g for g, enc in enumerate(prep.wire) if enc is not None)
-    arena = HostArena(sizes, pin=pin)
+    arena = HostArena(sizes, pin=pin, device=prep.device)
     if prep.wire:
         prep.wire = fill_arena(arena, prep.wire, prep.groups, prep.device)
     places = final_places(prep, arena, keep_on_device=True, disk_groups=coded)  # coded: in the blobs

@@ -42,9 +42,16 @@ def _wrap(method: Callable, after: bool = False, begins: bool = False) -> Callab
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
         notify(capture_begins=begins)
-        result = method(self, *args, **kwargs)
-        if after:
+        if after:  # capture_end
+            try:
+                result = method(self, *args, **kwargs)
+            finally:
+                host.capture_ended()
             notify()
+            return result
+        result = method(self, *args, **kwargs)
+        if begins:
+            host.capture_began()
         return result
 
     wrapper._weightstream_wrapped = True

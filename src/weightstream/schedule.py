@@ -171,8 +171,12 @@ class Schedule:
         for g in lead[: lead.index(nxt)]:
             if self.content[self.slot(g)] != g and g not in self.sent_ahead:
                 return None
-        self.sent_ahead.add(nxt)
         return nxt
+
+    def sent(self, group: int) -> None:
+        """The transfer did send `group`'s bytes ahead (`ahead` only offers: a raw group, or a landing
+        buffer still holding a blob for its decode, sends nothing)."""
+        self.sent_ahead.add(group)
 
     def on_release(self, group: int, capturing: bool = False) -> ReleasePlan:
         """Bookkeeping for "group finished computing"; returns what to copy and whether to join (where a

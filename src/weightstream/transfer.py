@@ -42,10 +42,11 @@ class SyncTransfer:
         `copy_ahead(Schedule.ahead(group))`."""
         self._copy(slot, group)
 
-    def copy_ahead(self, then: int | None) -> None:
+    def copy_ahead(self, then: int | None) -> bool:
         """Start moving `then`'s bytes (the group expected next into a slot just filled) towards the
         GPU before its slot is free, where the transfer has somewhere to put them (compressed groups: a
-        free landing buffer; here: nowhere)."""
+        free landing buffer; here: nowhere); whether it did."""
+        return False
 
     def forget(self) -> None:
         """Whatever the transfer staged beyond the slots (landing buffers) changed behind the host's
@@ -60,6 +61,12 @@ class SyncTransfer:
     def join_for_graph(self) -> None:
         """At a graph capture's start or end and before a replay: wait for copies in flight (here:
         none)."""
+
+    def forget_events(self) -> None:
+        """After a graph event's join: no event recorded so far is waited on again (here: none)."""
+
+    def synchronize_idle(self) -> None:
+        """Before a graph capture: wait on the host for the copies in flight (here: none)."""
 
     def capturing(self) -> bool:
         """True while a CUDA graph is being captured on the current stream (here: never)."""
@@ -206,6 +213,23 @@ class CudaTransfer(SyncTransfer):
         still in flight. Eagerly, so a graph's copies into the same slots never race them; inside a
         capture about to end (a partial pass captured), so the side streams are joined back into it."""
         self.join()
+
+    def forget_events(self) -> None:
+        """After a graph event's join (and, before a capture, a host wait for the copies): no slot
+        event recorded so far is waited on again. A later capture must not wait on an event of an
+        earlier one (CUDA forbids merging two captures), and an eager call not on a captured one;
+        nothing needs those waits any more, because the join ordered the current stream after every
+        copy, and each later copy waits for the current stream."""
+        self.ready_in_capture = [None] * len(self.ready_in_capture)
+
+    def synchronize_idle(self) -> None:
+        """Block the host until every copy has finished, on each side stream not being captured (a
+        host wait on a capturing stream is illegal)."""
+        for stream in self.side_streams():
+            with torch.cuda.stream(stream):
+                if torch.cuda.is_current_stream_capturing():
+                    continue
+            stream.synchronize()
 
     def synchronize(self) -> None:
         """Block the host until every copy has finished."""

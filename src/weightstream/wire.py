@@ -160,11 +160,12 @@ class CodedSyncTransfer(SyncTransfer):
                 self.landing[buffer][: enc.wire_bytes].copy_(self.arena.region(group))
             codec.decode_group(self.landing[buffer][: enc.wire_bytes], self.slots[slot])
 
-    def copy_ahead(self, then: int | None) -> None:
+    def copy_ahead(self, then: int | None) -> bool:
         buffer = self.landings.ahead(then)
         if buffer is not None:
             blob = self.arena.region(then)
             self.landing[buffer][: blob.numel()].copy_(blob)
+        return buffer is not None
 
     def raw_group(self, group: int) -> torch.Tensor:
         """`group`'s bytes in its layout (decoded; a disk group's read raw from its checkpoint)."""
@@ -243,13 +244,14 @@ class CodedCudaTransfer(CudaTransfer):
         self.ready[slot].record(self.decode_stream)
         self.ready_in_capture[slot] = capturing
 
-    def copy_ahead(self, then: int | None) -> None:
+    def copy_ahead(self, then: int | None) -> bool:
         """Start copying `then`'s blob into its landing buffer (after the buffer's last decode) where
-        `Landings.ahead` says so, so it crosses the link before its slot is free."""
+        `Landings.ahead` says so, so it crosses the link before its slot is free; whether it did."""
         buffer = self.landings.ahead(then)
         if buffer is not None:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))  # forked, inside a capture
             self._land(buffer, then, torch.cuda.is_current_stream_capturing())
+        return buffer is not None
 
     def _land(self, buffer: int, group: int, capturing: bool) -> None:
         """Enqueue the copy of `group`'s blob into landing buffer `buffer` on the copy stream once the
@@ -273,6 +275,12 @@ class CodedCudaTransfer(CudaTransfer):
         super().close()
         self.synchronize()
         self.landing.clear()
+
+    def forget_events(self) -> None:
+        """As `CudaTransfer.forget_events`, for the landing buffers' events too."""
+        super().forget_events()
+        self.landed_in_capture = [None] * len(self.landed_in_capture)
+        self.decoded_in_capture = [None] * len(self.decoded_in_capture)
 
     def side_streams(self) -> list[torch.cuda.Stream]:
         """The copy stream and the decode stream."""
