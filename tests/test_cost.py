@@ -263,3 +263,18 @@ def test_the_next_forwards_first_group_starts_when_its_slot_comes_free_its_blob_
     assert (even.ms, even.warm_ms) == pytest.approx((49e3, 48e3))
     odd = predict(_coded(5, 1000, 500), (0, 1, 2, 3, 4), 2, (), 1, fast_link, compressed=True)
     assert (odd.ms, odd.warm_ms) == pytest.approx((61e3, 60e3))
+
+
+def test_a_zero_copy_block_after_the_streamed_ones_waits_for_blobs_sent_before_it():
+    # blocks 0-3 streamed through two slots, block 4 zero copy (20 s), copies 10 s, compute 1 s. Raw:
+    # the last two releases copy the next forward's groups 0 and 1 (31..50, 50..60 on the link), so
+    # block 4's read starts at 60 and the first forward ends at 80. Compressed with blobs as large as
+    # the raw groups and decodes of no time, the blobs sent before block 4 go first too: the same.
+    free_decode = dataclasses.replace(PROFILE, decode_s_per_byte=1e-12)
+    model = ModelCost(0, 0, (10,) * 5, tensor_bytes=((10,),) * 5, tensor_wire=((10 - 64,),) * 5)
+    raw = predict(model, (0, 1, 2, 3), 2, (4,), 1, free_decode)
+    coded = predict(model, (0, 1, 2, 3), 2, (4,), 1, free_decode, compressed=True)
+    assert raw.ms == pytest.approx(80e3) and coded.ms == pytest.approx(80e3, rel=1e-6)
+    # each further forward: 61 raw; compressed a second less, its first blob being sent ahead into a
+    # landing buffer before group 0's slot is released
+    assert raw.warm_ms == pytest.approx(61e3) and coded.warm_ms == pytest.approx(60e3, rel=1e-6)

@@ -238,30 +238,48 @@ def predict(
             return started[k]
         return prologue if before[k] is None else released[before[k]]
 
+    def blob_issue(k: int) -> float | None:
+        """When the engine sends compressed `k`'s blob (None: not decided yet at this point of the
+        simulation): at the start of the group before it in its slot (copied ahead; for a later
+        forward's first groups only once the ones before them in its run order were sent, else at
+        their own start), or in the prologue for the first forward's first round."""
+        try:
+            if k >= n and k % n < min(n_slots, n):  # a later forward's first groups
+                early = start_of(before[k]) if before[k] is not None else None
+                prior = [lead_issued.get(j) for j in range(k - k % n, k) if not stays[j]]
+                if early is not None and all(t is not None and t <= early for t in prior):
+                    return early
+                return started.get(k)
+            return prologue if before[k] is None else start_of(before[k])
+        except KeyError:  # its issuing release has not happened yet
+            return None
+
     def land_ahead(k: int) -> None:
-        """Compressed `k`'s blob, after its landing buffer's last decode: issued at the start of the
-        group before it in its slot (copied ahead; for the next forward's first groups only once the
-        ones before them in its run order were sent, else at their own start)."""
+        """Compressed `k`'s blob over the link, once issued and once its landing buffer's last decode
+        is done."""
         if stays[k]:
             return
-        if k in started:  # the next forward's first groups: ahead only behind the ones before them
-            early = start_of(before[k]) if before[k] is not None else None
-            prior = [lead_issued[j] for j in range(k - k % n, k) if j in lead_issued]
-            issued = early if early is not None and all(t <= early for t in prior) else started[k]
+        issued = blob_issue(k)
+        if k >= n and k % n < min(n_slots, n):
             lead_issued[k] = issued
-        elif before[k] is None:  # the first forward's first round
-            issued = prologue
-        else:
-            issued = start_of(before[k])
         land(k, max(issued, buffer_free.get((k % n) % n_buffers, 0.0)))
 
     def gemm_seconds(rate, block: int) -> float:
         return sum(rate(nbytes, m) for nbytes, m in model.reads(block, tokens))
 
     issued_blobs = 0  # compressed: blobs issued so far, in global order
+    last_decoded = -1  # compressed: the last group decoded
     for forward in range(forwards):
         for block in range(len(model.block_bytes)):
             if block in uva_set:  # reads its weights over the link: the link is busy, copies wait
+                while compressed and issued_blobs < (forwards + 1) * n:  # blobs sent before it go first
+                    h = issued_blobs
+                    if not stays[h]:
+                        issued = blob_issue(h)
+                        if issued is None or issued > compute or h - n_buffers > last_decoded:
+                            break  # not sent yet, or its landing buffer still waits for a decode
+                        land_ahead(h)
+                    issued_blobs += 1
                 seconds = gemm_seconds(profile.uva_seconds, block)
                 compute = copy = max(compute, copy) + seconds
                 link[forward] += seconds
@@ -284,6 +302,7 @@ def predict(
                     profile.decode_seconds(model.streamed_bytes(streamed[g], part))
                 decoded[k] = compute = decode
                 buffer_free[g % n_buffers] = decode
+                last_decoded = k
             elif k is not None:
                 compute = max(compute, landed[k])
             compute += on_device[block]
