@@ -124,7 +124,10 @@ def summary(events) -> dict[str, float]:
 def record_timeline(handle_or_model, forward_fn: Callable[[], object]) -> list[tuple[str, str, float, float]]:
     """Run forward_fn() once under torch.profiler (CUDA activities) and return its GPU timeline as
     (stream, label, start_ms, end_ms) tuples (see `timeline_events`). Call it warm: the first forward
-    compiles and allocates. On a CPU model or handle it returns [] (there is no copy stream)."""
+    compiles and allocates. An offloaded model's call after another (eager, or compiled without CUDA
+    graphs) starts with its first groups copied by the call before, before the profiler started: the
+    timeline holds the copies of the next call's first groups instead. On a CPU model or handle it
+    returns [] (there is no copy stream)."""
     from torch.profiler import ProfilerActivity, profile
 
     device = _cuda_device_of(handle_or_model)
