@@ -210,8 +210,11 @@ def predict(
     forwards = 2
     before = [_same_before(n, n_slots, k) for k in range((forwards + 1) * n)]
     stays = [b is not None and b == k - n for k, b in enumerate(before)]
+    following: list[int | None] = [None] * len(before)  # the global group after k in k's slot
+    for k, b in enumerate(before):
+        if b is not None:
+            following[b] = k
     landed: dict[int, float] = {}  # global group -> time its bytes have crossed the link
-    decoded: dict[int, float] = {}  # compressed global group -> time its decode ended
     released: dict[int, float] = {}  # global group -> time compute released its slot
     buffer_free: dict[int, float] = {}  # landing buffer -> time its last decode ended
     waiting: set[int] = set()  # the next forward's first groups whose slots are free, not yet started
@@ -238,13 +241,17 @@ def predict(
             return started[k]
         return prologue if before[k] is None else released[before[k]]
 
+    def first_of_later_forward(k: int) -> bool:
+        """Whether global group k is one of a later forward's first groups (one per slot)."""
+        return k >= n and k % n < min(n_slots, n)
+
     def blob_issue(k: int) -> float | None:
         """When the engine sends compressed `k`'s blob (None: not decided yet at this point of the
         simulation): at the start of the group before it in its slot (copied ahead; for a later
         forward's first groups only once the ones before them in its run order were sent, else at
         their own start), or in the prologue for the first forward's first round."""
         try:
-            if k >= n and k % n < min(n_slots, n):  # a later forward's first groups
+            if first_of_later_forward(k):
                 early = start_of(before[k]) if before[k] is not None else None
                 prior = [lead_issued.get(j) for j in range(k - k % n, k) if not stays[j]]
                 if early is not None and all(t is not None and t <= early for t in prior):
@@ -260,7 +267,7 @@ def predict(
         if stays[k]:
             return
         issued = blob_issue(k)
-        if k >= n and k % n < min(n_slots, n):
+        if first_of_later_forward(k):
             lead_issued[k] = issued
         land(k, max(issued, buffer_free.get((k % n) % n_buffers, 0.0)))
 
@@ -300,7 +307,7 @@ def predict(
                 issued_blobs = max(issued_blobs, k + 1)
                 decode = max(decode, landed[k], compute) + \
                     profile.decode_seconds(model.streamed_bytes(streamed[g], part))
-                decoded[k] = compute = decode
+                compute = decode
                 buffer_free[g % n_buffers] = decode
                 last_decoded = k
             elif k is not None:
@@ -310,7 +317,7 @@ def predict(
                 released[k] = compute
                 # released: the next group of this slot is started (raw: copied), into the next
                 # forward too, whose first groups start in its run order
-                after = next((j for j in range(k + 1, k + n + 1) if before[j] == k), None)
+                after = following[k]
                 if after is not None and after // n == forward:
                     if not compressed and not stays[after]:
                         land(after, compute)

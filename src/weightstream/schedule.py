@@ -100,21 +100,26 @@ class Schedule:
         the end of a pass (into the next forward); None where a captured pass ends."""
         return self._next(group, capturing) if capturing else self.succ[group]
 
+    def _firsts(self, group: int | None, capturing: bool) -> list[int]:
+        """`group`, then the groups after it along the prefetch order, each while its slot has not
+        been given one yet: what a pass entered at `group` copies first."""
+        firsts: list[int] = []
+        g = group
+        for _ in range(self.n_groups):
+            if g is None or len(firsts) == self.n_slots:
+                break
+            if all(self.slot(g) != self.slot(h) for h in firsts):
+                firsts.append(g)
+            g = self._ahead(g, capturing)
+        return firsts
+
     def _fill(self, group: int, capturing: bool) -> list[tuple[int, int]]:
-        """Copies that enter a pass at `group`: it, then the groups after it, each into its slot
-        while that slot has not been given one yet."""
-        copies: list[tuple[int, int]] = []
+        """Copies that enter a pass at `group` (`_firsts`), recorded as the slots' content."""
         self.deferred = {}  # slots are being given other groups: nothing waits for them any more
         self.sent_ahead = set()
-        g: int | None = group
-        for _ in range(self.n_groups):
-            if g is None or len(copies) == self.n_slots:
-                break
-            s = self.slot(g)
-            if all(s != c for c, _ in copies):
-                copies.append((s, g))
-                self.content[s] = g
-            g = self._ahead(g, capturing)
+        copies = [(self.slot(g), g) for g in self._firsts(group, capturing)]
+        for s, g in copies:
+            self.content[s] = g
         self.copies += len(copies)
         return copies
 
@@ -228,13 +233,5 @@ class Schedule:
 
     def _lead(self) -> list[int]:
         """The next forward's first groups, one per slot, in its run order (what a prologue at the
-        group the pass began with would copy)."""
-        lead: list[int] = []
-        g = self.pass_start
-        for _ in range(self.n_groups):
-            if g is None or len(lead) == self.n_slots:
-                break
-            if all(self.slot(g) != self.slot(h) for h in lead):
-                lead.append(g)
-            g = self.succ[g]
-        return lead
+        group the pass began with would copy; used eagerly only)."""
+        return self._firsts(self.pass_start, False)

@@ -89,6 +89,12 @@ class SyncTransfer:
         return 0
 
 
+def _is_capturing(stream: torch.cuda.Stream) -> bool:
+    """Whether `stream` is part of a CUDA graph capture under way (forked into it)."""
+    with torch.cuda.stream(stream):
+        return torch.cuda.is_current_stream_capturing()
+
+
 class CudaTransfer(SyncTransfer):
     """Asynchronous host->GPU copies on a dedicated copy stream, ordered with CUDA events."""
 
@@ -202,10 +208,8 @@ class CudaTransfer(SyncTransfer):
         current = torch.cuda.current_stream(self.device)
         capturing = torch.cuda.is_current_stream_capturing()
         for stream in self.side_streams():
-            if capturing:
-                with torch.cuda.stream(stream):
-                    if not torch.cuda.is_current_stream_capturing():
-                        continue
+            if capturing and not _is_capturing(stream):
+                continue
             current.wait_stream(stream)
 
     def join_for_graph(self) -> None:
@@ -226,10 +230,8 @@ class CudaTransfer(SyncTransfer):
         """Block the host until every copy has finished, on each side stream not being captured (a
         host wait on a capturing stream is illegal)."""
         for stream in self.side_streams():
-            with torch.cuda.stream(stream):
-                if torch.cuda.is_current_stream_capturing():
-                    continue
-            stream.synchronize()
+            if not _is_capturing(stream):
+                stream.synchronize()
 
     def synchronize(self) -> None:
         """Block the host until every copy has finished."""
