@@ -373,3 +373,22 @@ def test_threads_calling_one_model_at_once_are_exact(kind):
             t.join(timeout=120)
     assert not any(t.is_alive() for t in threads), "a thread hung"
     assert not errors and not wrong
+
+
+def test_every_registered_engine_takes_each_graph_notification():
+    """`replay.notify` reaches every live engine, offloaded models and reference models with the ops at
+    their blocks' edges alike (conftest.Boundaries), with the capture-begin notification too (the H200
+    GPU tests found the reference engine refusing its `synchronize` argument, session 29)."""
+    from conftest import make_model, with_boundaries
+
+    edges = with_boundaries(make_model("llama"))
+    ref, model = twin("one")
+    handle = forced(model, range(N_BLOCKS), 2)
+    inp = torch.randn(3, DIM)
+    with torch.no_grad():
+        model(inp)
+        replay.notify(capture_begins=True)
+        replay.notify()
+        assert handle.stats.prologues == 1 and torch.equal(model(inp), ref(inp))
+    assert handle.stats.prologues == 2  # the notification forgot the slots: a new pass
+    del edges  # alive until here: the registry holds its engine weakly
