@@ -5,6 +5,7 @@
 # Usage (repository root, diffusers' wheel in .whl/, $OUT set by the device tool):
 #   bash benchmarks/diffusion_h200.sh PART      PART: flux | wan | flux-compiled | wan-compiled | all
 #                                                     (flux then wan) | pipeline | decoder | gpu-tests
+#                                                     | flux-short
 # (COMPILED_BUDGETS=12GiB,0.25 for flux-compiled at both budgets, with COMPILED_SECONDS=400)
 # Each part writes suite_<name>.json/.log under $OUT and prints the table against max(compute, transfer).
 # `all` stays under about 7 minutes: no method is started after FLUX_SECONDS (140) / WAN_SECONDS (120)
@@ -12,7 +13,9 @@
 # `pipeline`: the whole FLUX.1-dev pipeline at 16 GiB, weightstream compress="auto" and raw
 # (bench_pipeline.py --raw-too), no peers (their figures are in results/pipeline_flux-dev.json), about
 # 4 minutes. `decoder`: bench_decoder.py (warps sweep, about 30 s). `gpu-tests`: the GPU tests of the
-# compressed path and the pipelines (about 4 minutes).
+# compressed path and the pipelines (about 4 minutes). `flux-short`: the flux part with only the resident
+# step, weightstream auto and diffusers' best peer (leaf level), for a call with little device time left
+# (about 4 minutes; the slower peers' figures are in results/suite_flux-dev-transformer.json).
 set -euo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:?set OUT to the folder for results}
@@ -39,6 +42,9 @@ wan() {
 }
 case ${1:?give a part} in
 flux) flux ;;
+flux-short)
+    bench flux-dev-transformer_short ${FLUX_SECONDS:-130} --shape flux-dev-transformer --budgets 12GiB,0.25 \
+        --modes eager --methods resident,ws-auto,diffusers-leaf --reps 5 --method-seconds 40 ;;
 wan) wan ;;
 all) flux; wan ;;
 flux-compiled)  # fullgraph compile of the resident and the offloaded transformer: about 4 minutes
