@@ -99,6 +99,7 @@ class Buffer:
 
 
 def write(buf: Buffer, what) -> None:
+    FAKE.record(write, buf, what)
     stream = FAKE.current
     clock = stream.tick()
     for _, s, c in buf.writes + buf.reads:
@@ -108,6 +109,7 @@ def write(buf: Buffer, what) -> None:
 
 
 def read(buf: Buffer, want) -> None:
+    FAKE.record(read, buf, want)
     stream = FAKE.current
     clock = stream.tick()
     if not buf.writes:
@@ -129,6 +131,20 @@ class FakeCuda:
         self.compute = self.current = Stream("compute")
         self.capture: int | None = None  # the capture under way (all streams join it), None: eager
         self.captures = itertools.count(1)
+        self.graph: list = []  # the accesses the last capture recorded, in the order they were enqueued
+
+    def record(self, access, buf: Buffer, what) -> None:
+        """Keep an access made inside a capture: a replay makes it again."""
+        if self.capture is not None:
+            self.graph.append((access, buf, what))
+
+    def replay(self) -> None:
+        """Replay the last captured graph: its accesses run again, in the order they were captured, all
+        after the work enqueued on the current (compute) stream before the replay and before the work
+        enqueued on it after. Running them one after another on that stream orders them more than the
+        graph does; that they are ordered among themselves was checked when they were captured."""
+        for access, buf, what in self.graph:
+            access(buf, what)
 
     def Stream(self, *args, **kwargs) -> Stream:  # noqa: N802 (torch's name)
         return Stream()
@@ -229,11 +245,18 @@ def capture(handle, groups) -> None:
     begins (and waits on the host for its copies), before it ends (inside it) and after it ends."""
     handle.on_graph_event(synchronize=True)
     FAKE.capture = next(FAKE.captures)
+    FAKE.graph = []
     for g in groups:
         run_block(handle, g)
     handle.on_graph_event()
     FAKE.capture = None
     handle.on_graph_event()
+
+
+def replay(handle) -> None:
+    """A replay of the last capture, the engine told before it as `replay.py` tells it."""
+    handle.on_graph_event()
+    FAKE.replay()
 
 
 def run_block(handle, group: int, abort: bool = False) -> None:
@@ -251,7 +274,7 @@ def cases(draw):
     landing = draw(st.sampled_from([1, 2])) if k == 1 else k
     order = draw(st.permutations(range(n)))
     calls = draw(st.lists(st.one_of(
-        st.just("forward"), st.just("in order"), st.just("notify"),
+        st.just("forward"), st.just("in order"), st.just("notify"), st.just("replay"),
         st.tuples(st.sampled_from(["part", "capture"]), st.integers(0, n - 1), st.integers(0, n)),
         st.tuples(st.just("block"), st.integers(0, n - 1), st.booleans())), min_size=1, max_size=10))
     return n, k, coded, landing, list(order), calls
@@ -261,16 +284,21 @@ def cases(draw):
 @given(case=cases())
 def test_every_access_to_a_slot_or_landing_buffer_is_ordered_and_reads_its_group(fake_cuda, case):
     """Whole forwards in a learned order or module order, parts of them, blocks called alone (some
-    raising), replays (the engine told of them) and captures of a forward or part of one, in any
-    sequence, with any mix of raw and compressed groups: no unordered access, no stale read, and no
+    raising), notices of a replay alone (the engine told, nothing run), captures of a forward or part
+    of one and replays of the last capture (its copies, decodes and reads made again, after the engine
+    was told), with any mix of raw and compressed groups: no unordered access, no stale read, and no
     wait on an event of another capture (or, eagerly, of a capture)."""
     n, k, coded, landing, order, calls = case
     handle = engine(n, k, coded, landing)
+    FAKE.graph = []  # the fixture runs once for all examples: no replay of another example's capture
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for call in calls:
             if call == "notify":
                 handle.on_graph_event()
+                continue
+            if call == "replay":
+                replay(handle)
                 continue
             if call in ("forward", "in order"):
                 groups = order if call == "forward" else range(n)
@@ -319,3 +347,25 @@ def test_two_captures_in_a_row_never_wait_on_each_others_events(fake_cuda):
     capture(handle, range(4))
     with pytest.raises(Race, match=r"waits in capture \d+ on an event recorded in capture \d+"):
         capture(handle, range(4))
+
+
+def test_a_replay_is_ordered_after_the_copies_in_flight_before_it(fake_cuda):
+    """An eager forward's last releases start the next forward's first copies; a replay right after
+    it rewrites the same slots. Without `join_for_graph` (the current stream waits for the copy and
+    decode streams when the engine is told of the replay) the replay's first copy races them."""
+    for coded in ([False] * 4, [True] * 4, [False, True, False, True]):
+        handle = engine(4, 2, coded, 2)
+        capture(handle, range(4))
+        for g in range(4):
+            run_block(handle, g)
+        replay(handle)
+        for g in range(4):
+            run_block(handle, g)
+        replay(handle)
+    handle = engine(4, 2, [False] * 4, 2)
+    capture(handle, range(4))
+    for g in range(4):
+        run_block(handle, g)
+    handle._transfer.join_for_graph = lambda: None  # left out: the copies in flight are not joined
+    with pytest.raises(Race, match="slot0: writing 0 on compute is not ordered after copy"):
+        replay(handle)
