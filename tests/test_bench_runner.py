@@ -165,3 +165,23 @@ def test_the_schema_checks_the_wire_fields_and_accepts_rows_without_them(bench_d
         broken["results"][0].update(bad)
         with pytest.raises(ValueError, match=rf"results\[0\]\.{field}"):
             validate(broken)
+
+
+def test_timelines_are_kept_for_the_resident_model_and_each_method_at_the_first_budget(tmp_path, monkeypatch):
+    """The resident model's timeline is the baseline of an offloaded one's (its kernels and the gaps
+    between them); an offloaded method's is kept at the first budget only. The profiler needs CUDA, so
+    its recording is replaced by one fake event per call here; the rest is the real run."""
+    from weightstream.bench import timeline
+
+    calls = []
+
+    def fake_record(model, forward):
+        calls.append(forward)
+        return [("compute", "kernel", 0.0, 1.0)]
+
+    monkeypatch.setattr(timeline, "record_timeline", fake_record)
+    doc = runner.run_suite("tiny", [0.5, 0.8], ["decode-b1"], ["resident", "ws-stream"], ["eager"], 1, "cpu",
+                           str(tmp_path / "t.json"))
+    kept = [(t["method"], t["budget_bytes"]) for t in doc["timelines"]]
+    assert kept == [("resident", None), ("ws-stream", doc["budgets"][0])]
+    assert len(calls) == 2 and all(t["summary"]["compute_ms"] == 1.0 for t in doc["timelines"])

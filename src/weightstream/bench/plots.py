@@ -102,6 +102,6 @@ def write_plots(docs: list[dict], png_dir: str) -> list[str]:
             name = f"timeline_{doc['shape']['name']}_{t['method']}_{t['phase']}{mode}{share}.png"
             paths.append(os.path.join(png_dir, name))
             title = (f"{doc['shape']['name']} {t['method']} {t['phase']} {t['mode']}, "
-                     f"budget {format_size(t['budget_bytes'])}")
+                     + (f"budget {format_size(t['budget_bytes'])}" if t["budget_bytes"] else "resident"))
             plot_timeline(t["events"], paths[-1], title)
     return paths

@@ -123,7 +123,8 @@ def run_mode(suite: Suite, method: Method, phase: Phase, row: ResultRow, compile
     entry, out = measure(call, suite.reps, suite.device)
     fill_row(row, entry, suite.bandwidth)
     compare(suite, method, row, out)
-    if suite.timeline and row.mode in ("eager", "compiled") and method.name.startswith("ws-"):
+    if suite.timeline and row.mode in ("eager", "compiled") and (
+            method.name.startswith("ws-") or method.name == "resident"):
         store_timeline(suite.doc, row, suite.model, call)
 
 
@@ -290,7 +291,8 @@ def run_suite(
     `prefill-N`. methods: names from the registry (run in registry order; unknown names raise, known
     ones that cannot run here are listed in `skipped_methods`). modes: eager, compiled, graph,
     graph-eager. reps: timed calls per measurement. device: "cuda" or "cpu". timeline: keep a profiler
-    timeline of each weightstream method's eager and compiled forward at the first budget (CUDA only).
+    timeline of each weightstream method's eager and compiled forward at the first budget, and of the
+    resident model's (CUDA only).
     emulate_precision_casts: set Inductor's flag of that name for every compile, so compiled code
     rounds to bf16 where eager does (benchmarks/README.md: without it, fusion across block boundaries
     can differ by one ulp). max_seconds: prepare no method after this many seconds from the start; the

@@ -144,9 +144,11 @@ def record_timeline(handle_or_model, forward_fn: Callable[[], object]) -> list[t
 
 
 def store_timeline(doc: dict, row, model, call: Callable[[], torch.Tensor]) -> None:
-    """Profile one more call and keep its copy/compute timeline in the document's `timelines` (first
-    budget only); a profiler failure is logged, never raised (it must not cost the measurement)."""
-    if row.budget_bytes != doc["budgets"][0]:
+    """Profile one more call and keep its copy/compute timeline in the document's `timelines` (an
+    offloaded method at the first budget only; the resident model too, the baseline of its kernels and
+    of the gaps between them); a profiler failure is logged, never raised (it must not cost the
+    measurement)."""
+    if row.budget_bytes is not None and row.budget_bytes != doc["budgets"][0]:
         return
     try:
         events = record_timeline(model, call)

@@ -1,0 +1,127 @@
+"""Why an eager offloaded forward that no link bounds runs slower than the resident one (session 31, H100:
+Llama-3-8B decode at 97% of its weights, eager 51-60 ms for every weightstream placement against 23.0 ms
+resident eager and 13.5 ms for the same placement replayed from a CUDA graph;
+benchmarks/results/h100_session31/suite_llama-3-8b_loop.json).
+
+For the resident model and then the same model offloaded (`--strategy`, `--budget`), eager, back to back:
+- host ms per forward (perf_counter around the Python call) and GPU ms per forward (CUDA events), so a
+  forward the host cannot enqueue ahead of the GPU shows host ms = GPU ms;
+- under torch.profiler (CPU and CUDA activities) one forward's CUDA runtime calls that block the host
+  (synchronizes, blocking copies), with counts and host ms, and the top CPU ops by self time: what the
+  offloaded forward adds to the resident one.
+
+    PYTHONPATH=src python3 benchmarks/diag_eager_host.py --shape llama-3-8b --budget 0.97 --out DIR
+    (--device cpu runs the same on the CPU backend: a smoke test of this script, no CUDA figures)
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+import weightstream as ws
+from weightstream.bench.phases import parse_phase
+from weightstream.bench.shapes import build_model, get_shape, resolve_phase, shape_weight_bytes
+
+BLOCKING = ("Synchronize", "cudaMemcpy", "cuMemcpy", "cudaFree", "cudaMalloc", "cudaHostAlloc",
+            "cudaHostRegister", "cudaHostUnregister")  # runtime calls that may block the host
+
+
+def timed(forward, device: torch.device, reps: int) -> tuple[float, float]:
+    """Median host ms and GPU ms of `reps` eager forwards called back to back after two warm-ups."""
+    for _ in range(2):
+        forward()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    host, gpu = [], []
+    for _ in range(reps):
+        start = torch.cuda.Event(enable_timing=True) if device.type == "cuda" else None
+        end = torch.cuda.Event(enable_timing=True) if device.type == "cuda" else None
+        if start is not None:
+            start.record()
+        t0 = time.perf_counter()
+        forward()
+        host.append((time.perf_counter() - t0) * 1e3)
+        if end is not None:
+            end.record()
+            end.synchronize()
+            gpu.append(start.elapsed_time(end))
+    return statistics.median(host), statistics.median(gpu) if gpu else float("nan")
+
+
+def profiled(forward, device: torch.device, top: int) -> list[str]:
+    """One forward under torch.profiler: blocking runtime calls and the top CPU ops by self time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        forward()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    events = prof.events()
+    blocking: Counter = Counter()
+    blocking_ms: Counter = Counter()
+    for e in events:
+        if any(b in e.name for b in BLOCKING) and "Async" not in e.name:
+            blocking[e.name] += 1
+            blocking_ms[e.name] += (e.time_range.end - e.time_range.start) / 1e3
+    lines = ["  blocking runtime calls: " + (", ".join(
+        f"{name} x{n} ({blocking_ms[name]:.2f} ms)" for name, n in blocking.most_common()) or "none")]
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top)
+    lines += ["  " + line for line in table.splitlines()]
+    return lines
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="llama-3-8b")
+    parser.add_argument("--phase", default="decode-b1")
+    parser.add_argument("--budget", type=float, default=0.97, help="fraction of the weight bytes")
+    parser.add_argument("--strategy", default="auto")
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--out", default=None, help="folder for diag_eager_host.log (else stdout only)")
+    args = parser.parse_args()
+
+    device = torch.device(args.device)
+    shape = get_shape(args.shape)
+    phase = resolve_phase(shape, parse_phase(args.phase))
+    model = build_model(args.shape, device)
+    x = shape.model.inputs(model, [phase], device, seed=0)[phase.name]
+
+    def forward():
+        with torch.no_grad():
+            return shape.model.forward(model, x)
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    lines = [f"# {Path(__file__).name} --shape {args.shape} --phase {args.phase} --budget {args.budget} "
+             f"--strategy {args.strategy} on {name}, torch {torch.__version__}"]
+    host, gpu = timed(forward, device, args.reps)
+    lines.append(f"resident: host {host:.2f} ms, GPU {gpu:.2f} ms per forward (medians of {args.reps})")
+    lines += profiled(forward, device, args.top)
+    budget = int(args.budget * shape_weight_bytes(args.shape))
+    handle = ws.offload(model, gpu_memory=budget, device=device, strategy=args.strategy,
+                        tokens=phase.batch * phase.seq)
+    stats = handle.stats
+    predicted = "-" if stats.predicted_ms is None else f"{stats.predicted_ms:.2f}"
+    lines.append(f"offloaded: {stats.placement_kind}, {stats.groups} groups, {stats.slots} slots, "
+                 f"{stats.uva_bytes / 2**20:.0f} MiB zero copy, predicted {predicted} ms in a loop")
+    host, gpu = timed(forward, device, args.reps)
+    lines.append(f"offloaded: host {host:.2f} ms, GPU {gpu:.2f} ms per forward (medians of {args.reps})")
+    lines += profiled(forward, device, args.top)
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "diag_eager_host.log").write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
