@@ -313,6 +313,9 @@ def test_in_order_forwards_never_miss_and_later_ones_start_prefetched():
 def test_a_new_run_order_is_learned_within_two_forwards():
     ref, model = twin("one")
     handle = forced(model, range(N_BLOCKS), 2)
+    with torch.no_grad():  # the module order, learned: a later order is a change, and warns
+        inp = torch.randn(3, DIM, generator=torch.Generator().manual_seed(99))
+        assert torch.equal(model(inp), ref(inp))
     ref.order = model.order = [0, 3, 4, 1, 2]
     with torch.no_grad(), pytest.warns(UserWarning, match="out of the learned order"):
         for seed in range(4):
