@@ -8,7 +8,9 @@ For the resident model and then the same model offloaded (`--strategy`, `--budge
   forward the host cannot enqueue ahead of the GPU shows host ms = GPU ms;
 - under torch.profiler (CPU and CUDA activities) one forward's CUDA runtime calls that block the host
   (synchronizes, blocking copies), with counts and host ms, and the top CPU ops by self time: what the
-  offloaded forward adds to the resident one.
+  offloaded forward adds to the resident one;
+- then (CUDA only, `launch_probe`) whether a host->GPU copy or zero-copy read in flight slows a chain of
+  eagerly launched tiny kernels down.
 
     PYTHONPATH=src python3 benchmarks/diag_eager_host.py --shape llama-3-8b --budget 0.97 --out DIR
     (--device cpu runs the same on the CPU backend: a smoke test of this script, no CUDA figures)
@@ -77,6 +79,52 @@ def profiled(forward, device: torch.device, top: int) -> list[str]:
     return lines
 
 
+def launch_probe(device: torch.device, kernels: int = 2000) -> list[str]:
+    """Does a host->GPU copy in flight slow eager kernel launches down? `kernels` tiny dependent kernels
+    enqueued one by one from Python (host-bound, as an eager decode is), timed on the GPU: alone, beside
+    a large pinned host->GPU copy on a side stream, and beside a kernel reading pinned host memory in
+    place (zero copy). Kernel launches are fetched by the GPU over the same link (one hypothesis for
+    the eager slowdown: the fetches queue behind the copy's traffic)."""
+    from weightstream.uva import uva_view
+
+    nbytes = 4 << 30
+    host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    zero_copy = uva_view(host, device)
+    x = torch.zeros(16, device=device)
+    side = torch.cuda.Stream(device)
+
+    def chain() -> tuple[float, float]:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        t0 = time.perf_counter()
+        y = x
+        for _ in range(kernels):
+            y = y + 1
+        host_ms = (time.perf_counter() - t0) * 1e3
+        end.record()
+        end.synchronize()
+        return host_ms, start.elapsed_time(end)
+
+    lines = []
+    for name in ("alone", "beside a 4 GiB pinned copy", "beside a 4 GiB zero-copy read"):
+        runs = []
+        for _ in range(3):
+            torch.cuda.synchronize(device)
+            if name != "alone":
+                with torch.cuda.stream(side):
+                    if "copy" in name:
+                        dst.copy_(host, non_blocking=True)
+                    else:
+                        dst.copy_(zero_copy)  # a device kernel reading host memory in place
+            runs.append(chain())
+            torch.cuda.synchronize(device)
+        host_ms, gpu_ms = sorted(runs, key=lambda r: r[1])[1]
+        lines.append(f"C: {kernels} tiny kernels {name}: host {host_ms:.2f} ms to enqueue, "
+                     f"GPU {gpu_ms:.2f} ms ({gpu_ms * 1e3 / kernels:.1f} us per kernel)")
+    return lines
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="llama-3-8b")
@@ -115,6 +163,11 @@ def main() -> int:
     host, gpu = timed(forward, device, args.reps)
     lines.append(f"offloaded: host {host:.2f} ms, GPU {gpu:.2f} ms per forward (medians of {args.reps})")
     lines += profiled(forward, device, args.top)
+    if device.type == "cuda":
+        handle.restore()
+        del model, handle
+        torch.cuda.empty_cache()
+        lines += launch_probe(device)
     text = "\n".join(lines)
     print(text)
     if args.out:
