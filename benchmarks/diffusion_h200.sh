@@ -5,7 +5,7 @@
 # Usage (repository root, diffusers' wheel in .whl/, $OUT set by the device tool):
 #   bash benchmarks/diffusion_h200.sh PART      PART: flux | wan | flux-compiled | wan-compiled | all
 #                                                     (flux then wan) | pipeline | decoder | gpu-tests
-#                                                     | flux-short
+#                                                     | flux-short | flux-timeline
 # (COMPILED_BUDGETS=12GiB,0.25 for flux-compiled at both budgets, with COMPILED_SECONDS=400)
 # Each part writes suite_<name>.json/.log under $OUT and prints the table against max(compute, transfer).
 # `all` stays under about 7 minutes: no method is started after FLUX_SECONDS (140) / WAN_SECONDS (120)
@@ -59,6 +59,13 @@ pipeline)
         --max-seconds "${PIPELINE_SECONDS:-400}" 2>&1 | tail -20 ;;
 decoder)
     python3 benchmarks/bench_decoder.py 2>&1 | tee "$OUT/decoder_h200.log" ;;
+flux-timeline)  # the 12 GiB step and the resident step profiled in one run (the bench keeps both
+    # timelines since session 31): are the gaps between kernels the offloaded step's own? About 1 minute
+    python3 -m weightstream bench --max-seconds 150 --out "$OUT/suite_flux-dev-transformer_timeline.json" \
+        --phases denoise-b1 --shape flux-dev-transformer --budgets 12GiB --modes eager --methods resident,ws-auto \
+        --reps 5 --method-seconds 80 2>&1 | tee "$OUT/suite_flux-dev-transformer_timeline.log" | grep "^\[" || true
+    python3 benchmarks/timeline_waits.py "$OUT/suite_flux-dev-transformer_timeline.json" \
+        | tee "$OUT/timeline_waits_flux.log" ;;
 gpu-tests)
     PYTHONPATH=src:tests:/tmp/site python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_codec.py \
         tests/test_wire.py tests/test_gpu_call_orders.py tests/test_gpu.py tests/test_gpu_hf.py \

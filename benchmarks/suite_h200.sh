@@ -4,7 +4,7 @@
 #   bash benchmarks/suite_h200.sh PART
 # Parts: verify | verify-short | plan | llama-ws | llama-uva | llama-peers | qwen-ws | qwen-peers | mixtral-ws
 #        | mixtral-peers | qwen-b64 | mixtral-b64 | qwen-diffusers | mixtral-diffusers | qwen-uva
-#        | mixtral-uva | llama-uva-b64 | llama-50 | mixtral-routed | llama-loop
+#        | mixtral-uva | llama-uva-b64 | llama-50 | mixtral-routed | llama-loop | diag-host
 # MAX_SECONDS overrides a part's time budget (to share a call with another part).
 # Each writes its JSON and log under $OUT; copy them to benchmarks/results/ and run
 # `weightstream bench --report ...` (benchmarks/README.md) to regenerate docs/benchmarks.md.
@@ -92,6 +92,9 @@ llama-50)  # the planner's one open question: 50% decode measured 7% over its pr
 mixtral-routed)  # auto after the cost model learned routed experts: zero copy at decode, streaming at prefill
     bench mixtral-8x7b_auto_routed ${MAX_SECONDS:-240} --shape mixtral-8x7b --budgets 0.25 \
         --phases decode-b1,decode-b64,prefill-2048 --modes eager --methods resident,ws-auto --reps 5 --no-timeline ;;
+diag-host)  # session 31's open question: why eager decode at 97% is 2.2-2.6x slower than resident eager
+    # (host and GPU ms per forward, blocking runtime calls, top CPU ops; then the launch probe): ~1 minute
+    python3 benchmarks/diag_eager_host.py --shape llama-3-8b --budget 0.97 --out "$OUT" 2>&1 | tail -60 ;;
 *)
     echo "unknown part $1" >&2
     exit 2 ;;

@@ -3,7 +3,8 @@ span, each row's busy ms, and the compute row's idle ms split by what ran meanwh
 or neither: host gaps between launches), recomputed from the stored events, so it reads files recorded
 before the summary carried the split. Also the idle ms before the first compute after the first copy
 began (the wait for the first streamed group, which the schedule only starts copying when the forward
-reaches it). No GPU needed.
+reaches it), and the median gap between consecutive kernels while a copy runs and while the link is
+idle. No GPU needed.
 
     python benchmarks/timeline_waits.py benchmarks/results/suite_flux-dev-transformer_session26.json [...]
 """
@@ -11,6 +12,7 @@ reaches it). No GPU needed.
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 
 from weightstream.bench.timeline import row_spans, summary
@@ -30,6 +32,24 @@ def first_wait(events) -> float:
     return 0.0
 
 
+def kernel_gaps(events, max_gap_ms: float = 0.05) -> tuple[list[float], list[float]]:
+    """The gaps (us) between consecutive compute kernels shorter than `max_gap_ms` and outside decodes,
+    split by whether a host->GPU copy ran across the whole gap or not (does the link's traffic delay
+    the start of kernels?)."""
+    copies, decodes = row_spans(events, "copy"), row_spans(events, "decode")
+    compute = sorted((float(s), float(e)) for row, _, s, e in events if row == "compute")
+
+    def covered(t: float, spans) -> bool:
+        return any(a <= t <= b for a, b in spans)
+
+    during, idle = [], []
+    for (_, end), (start, _) in zip(compute, compute[1:], strict=False):
+        gap = start - end
+        if 0 <= gap <= max_gap_ms and not covered(end, decodes):
+            (during if covered(end, copies) and covered(start, copies) else idle).append(gap * 1e3)
+    return during, idle
+
+
 def main(argv: list[str]) -> int:
     if not argv:
         print(__doc__)
@@ -44,6 +64,11 @@ def main(argv: list[str]) -> int:
             print(f"{path}: {t['method']} {t['phase']} {t['mode']}{where}")
             print("  " + ", ".join(f"{k} {v:.1f}" for k, v in s.items()) + f", first_group_wait_ms "
                   f"{first_wait(events):.1f}")
+            during, idle = kernel_gaps(events)
+            parts = [f"{name}: {statistics.median(g):.1f} us median of {len(g)}"
+                     for name, g in (("during a copy", during), ("link idle", idle)) if g]
+            if parts:
+                print("  gaps between kernels under 50 us, " + "; ".join(parts))
     return 0
 
 
