@@ -15,11 +15,12 @@ A wait whose group its slot holds is a hit. Otherwise the wait enters a pass at 
 and the copies of the groups that follow it along `succ` (one per other slot) start at once. That is a
 prologue when nothing was predicted (the first run, after `invalidate`, or where a pass ended and
 another group than the one it began with came next), and a miss when the last release predicted
-another group inside the pass (the run order changed; the new order is learned). A miss whose
-prediction was still the initial guess (module order, never seen run: the first pass of a UNet, whose
-mid block is registered after the up blocks it runs before, or of a VAE run decoder-only) is counted
-too but is no change of a learned order (`WaitPlan.guessed`, `changes` counts the others; the engine
-warns only of those). Releasing g starts the copy of the next group along `succ` that uses g's slot.
+another group inside the pass (the new order is learned). A miss is a change of the run order
+(`WaitPlan.changed`, counted in `changes`; the engine warns only of those) where the group released
+last was seen followed by another group before. Other misses come of guesses: succ starts as module
+order, so the first passes of a model that runs its blocks otherwise (a UNet, whose mid block is
+registered after the up blocks it runs before; a VAE run decoder-only; any model that skips blocks)
+copy groups that do not come next. Releasing g starts the copy of the next group along `succ` that uses g's slot.
 
 A pass is what runs from a prologue on; it ends where the run order comes back to the group the pass
 began with (the next forward). Eagerly, prefetching does not stop there: the last releases of one
@@ -48,9 +49,9 @@ class WaitPlan:
     copies: list[tuple[int, int]] = field(default_factory=list)  # (slot, group) to start, in this order
     hit: bool = True  # the slot holds (or is being filled with) the group already
     miss: bool = False  # not a hit although the last release predicted another group
-    # a miss whose prediction was only the initial guess (module order), never observed: the first pass
-    # of a model that runs its blocks out of module order, not a change of a learned order
-    guessed: bool = False
+    # the run order changed: the group the last release was seen followed by before is not this one
+    # (a miss without it comes of guesses: the first passes of a model run out of module order)
+    changed: bool = False
 
 
 @dataclass
@@ -77,7 +78,7 @@ class Schedule:
         self.prologues = 0  # waits that entered a pass where nothing was predicted
         self.misses = 0  # waits that found their group unstaged although a group was predicted
         self.misses_last_pass = 0  # misses since the last pass began
-        self.changes = 0  # misses against a successor observed before (`WaitPlan.guessed` false)
+        self.changes = 0  # misses where the run order changed (`WaitPlan.changed`)
         self.observed: list[bool] = [False] * n_groups  # succ[g] was seen run, not the initial guess
         # slot -> the next forward's group to copy there once the groups before it in that forward
         # have been copied (their slots are still in use): the next forward's copies go in run order
@@ -137,7 +138,7 @@ class Schedule:
             raise IndexError(f"group {group} out of range 0..{self.n_groups - 1}")
         last, self.last_release = self.last_release, None
         predicted = None if last is None else self._next(last, capturing)
-        guessed = last is not None and not self.observed[last]
+        changed = last is not None and self.observed[last] and self.succ[last] != group
         if last is not None:
             self.succ[last] = group
             self.observed[last] = True
@@ -154,10 +155,10 @@ class Schedule:
             self.misses_last_pass = 0
         else:
             plan.miss = True
-            plan.guessed = guessed
+            plan.changed = changed
             self.misses += 1
             self.misses_last_pass += 1
-            self.changes += not guessed
+            self.changes += changed
         plan.copies = self._fill(group, capturing)
         return plan
 
