@@ -20,7 +20,8 @@ another group inside the pass (the new order is learned). A miss is a change of 
 last was seen followed by another group before. Other misses come of guesses: succ starts as module
 order, so the first passes of a model that runs its blocks otherwise (a UNet, whose mid block is
 registered after the up blocks it runs before; a VAE run decoder-only; any model that skips blocks)
-copy groups that do not come next. Releasing g starts the copy of the next group along `succ` that uses g's slot.
+copy groups that do not come next. Releasing g starts the copy of the next group along `succ` that
+uses g's slot.
 
 A pass is what runs from a prologue on; it ends where the run order comes back to the group the pass
 began with (the next forward). Eagerly, prefetching does not stop there: the last releases of one
