@@ -15,7 +15,7 @@ import json
 import statistics
 import sys
 
-from weightstream.bench.timeline import row_spans, summary
+from weightstream.bench.timeline import kernel_gaps, row_spans, summary
 
 
 def first_wait(events) -> float:
@@ -30,24 +30,6 @@ def first_wait(events) -> float:
             return a - max(cursor, copies[0][0])
         cursor = b
     return 0.0
-
-
-def kernel_gaps(events, max_gap_ms: float = 0.05) -> tuple[list[float], list[float]]:
-    """The gaps (us) between consecutive compute kernels shorter than `max_gap_ms` and outside decodes,
-    split by whether a host->GPU copy ran across the whole gap or not (does the link's traffic delay
-    the start of kernels?)."""
-    copies, decodes = row_spans(events, "copy"), row_spans(events, "decode")
-    compute = sorted((float(s), float(e)) for row, _, s, e in events if row == "compute")
-
-    def covered(t: float, spans) -> bool:
-        return any(a <= t <= b for a, b in spans)
-
-    during, idle = [], []
-    for (_, end), (start, _) in zip(compute, compute[1:], strict=False):
-        gap = start - end
-        if 0 <= gap <= max_gap_ms and not covered(end, decodes):
-            (during if covered(end, copies) and covered(start, copies) else idle).append(gap * 1e3)
-    return during, idle
 
 
 def main(argv: list[str]) -> int:

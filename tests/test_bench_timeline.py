@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from weightstream.bench.shapes import build_model
-from weightstream.bench.timeline import idle_causes, record_timeline, summary, timeline_events
+from weightstream.bench.timeline import idle_causes, kernel_gaps, record_timeline, summary, timeline_events
 
 
 def test_timeline_events_put_host_copies_on_the_copy_row():
@@ -75,3 +75,15 @@ def test_short_idle_spans_are_launch_gaps_whatever_else_runs():
               ("compute", "k", 2.5, 3.0)]
     assert idle_causes(events) == pytest.approx(
         {"compute_idle_decoding_ms": 0.0, "compute_idle_copying_ms": 0.5, "compute_idle_other_ms": 0.52})
+
+
+def test_kernel_gaps_split_by_whether_a_copy_spans_them():
+    """Gaps up to 50 us between compute activities: a copy from end to end, or not (the link idle, or
+    a copy ending inside the gap); longer waits, overlaps and gaps where a decode runs are left out."""
+    events = [("copy", "Memcpy HtoD", 0.0, 10.0), ("compute", "a", 0.0, 1.0), ("compute", "b", 1.004, 2.0),
+              ("compute", "c", 2.010, 9.998), ("compute", "d", 10.001, 11.0), ("compute", "e", 11.002, 12.0),
+              ("compute", "f", 11.5, 12.5), ("decode", "_decode_kernel", 12.5, 12.52),
+              ("compute", "g", 12.51, 13.0), ("compute", "h", 13.2, 14.0)]
+    during, idle = kernel_gaps(events)
+    assert during == pytest.approx([4.0, 10.0])
+    assert idle == pytest.approx([3.0, 2.0])  # d starts after the copy ended; e with the link idle

@@ -109,6 +109,24 @@ def idle_causes(events, min_wait_ms: float = 0.05) -> dict[str, float]:
             "compute_idle_other_ms": _length(idle) - decoding - copying}
 
 
+def kernel_gaps(events, max_gap_ms: float = 0.05) -> tuple[list[float], list[float]]:
+    """The gaps (us) between consecutive compute activities, up to `max_gap_ms` and not where a decode
+    runs, split into those a host->GPU copy spans from end to end and the others: does the link's
+    traffic delay the start of kernels? (It does: docs/diffusion.md, "H100 figures".)"""
+    copies, decodes = row_spans(events, "copy"), row_spans(events, "decode")
+    compute = sorted((float(s), float(e)) for row, _, s, e in events if row == "compute")
+
+    def covered(t: float, spans) -> bool:
+        return any(a <= t <= b for a, b in spans)
+
+    during, idle = [], []
+    for (_, end), (start, _) in zip(compute, compute[1:], strict=False):
+        gap = start - end
+        if 0 <= gap <= max_gap_ms and not covered(end, decodes):
+            (during if covered(end, copies) and covered(start, copies) else idle).append(gap * 1e3)
+    return during, idle
+
+
 def summary(events) -> dict[str, float]:
     """One timeline in figures: its span and each row's busy ms (copy, decode, compute), the compute
     row's idle ms within the span (where compute waited for copies or decodes) and what ran meanwhile
