@@ -162,7 +162,7 @@ class OffloadHandle:
             for _, g in plan.copies:
                 self._copy_ahead(g, capturing)
             self._transfer.wait(plan.slot)
-            if plan.miss and plan.changed and not self._warned:
+            if plan.changed and not self._warned:  # only a miss is ever `changed`
                 self._warned = True
                 warnings.warn(
                     f"weightstream: block {self.streamed_blocks[group]} ran out of the learned order; "
