@@ -93,7 +93,7 @@ mixtral-routed)  # auto after the cost model learned routed experts: zero copy a
     bench mixtral-8x7b_auto_routed ${MAX_SECONDS:-240} --shape mixtral-8x7b --budgets 0.25 \
         --phases decode-b1,decode-b64,prefill-2048 --modes eager --methods resident,ws-auto --reps 5 --no-timeline ;;
 diag-host)  # session 31's open question: why eager decode at 97% is 2.2-2.6x slower than resident eager
-    # (host and GPU ms per forward, blocking runtime calls, top CPU ops; then the launch probe): ~1 minute
+    # (host enqueue ms against back-to-back ms per forward, blocking runtime calls, top CPU ops; then the launch probe): ~1 minute
     python3 benchmarks/diag_eager_host.py --shape llama-3-8b --budget 0.97 --out "$OUT" 2>&1 | tail -60 ;;
 *)
     echo "unknown part $1" >&2
