@@ -60,9 +60,13 @@ pipeline)
 decoder)
     python3 benchmarks/bench_decoder.py 2>&1 | tee "$OUT/decoder_h200.log" ;;
 flux-timeline)  # the 12 GiB step and the resident step profiled in one run (the bench keeps both
-    # timelines since session 31): are the gaps between kernels the offloaded step's own? About 1 minute
-    python3 -m weightstream bench --max-seconds 150 --out "$OUT/suite_flux-dev-transformer_timeline.json" \
-        --phases denoise-b1 --shape flux-dev-transformer --budgets 12GiB --modes eager --methods resident,ws-auto \
+    # timelines since session 31): are the gaps between kernels the offloaded step's own? Each also
+    # replayed from a CUDA graph of the eager step (graph-eager): a graph's launches do not go through
+    # the host's command stream one by one, so if the link's traffic slows each launch, the offloaded
+    # step's graph gains more over its eager step than the resident one does. About 2 minutes
+    python3 -m weightstream bench --max-seconds 200 --out "$OUT/suite_flux-dev-transformer_timeline.json" \
+        --phases denoise-b1 --shape flux-dev-transformer --budgets 12GiB --modes eager,graph-eager \
+        --methods resident,ws-auto \
         --reps 5 --method-seconds 80 2>&1 | tee "$OUT/suite_flux-dev-transformer_timeline.log" | grep "^\[" || true
     python3 benchmarks/timeline_waits.py "$OUT/suite_flux-dev-transformer_timeline.json" \
         | tee "$OUT/timeline_waits_flux.log" ;;
