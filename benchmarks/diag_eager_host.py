@@ -106,7 +106,7 @@ def launch_probe(device: torch.device, kernels: int = 2000) -> list[str]:
         end.synchronize()
         return host_ms, start.elapsed_time(end)
 
-    # sleep cycles for about 40 ms (longer than the host takes to enqueue the chain): the clock rate from the device properties (kHz on torch 2.11+)
+    # sleep cycles for about 40 ms (longer than the host takes to enqueue the chain); clock in kHz
     rate_khz = getattr(torch.cuda.get_device_properties(device), "clock_rate", 0) or 1_500_000
     cycles = int(rate_khz * 40)
     lines = []
