@@ -160,6 +160,23 @@ def test_a_compressed_pipeline_is_exact_and_its_groups_cross_the_link_smaller(wi
         ws.offload(pipe, gpu_memory=budget, device="cpu", tokens=4096)  # one model's argument
 
 
+def test_each_denoiser_is_planned_for_the_tokens_of_its_pipelines_default_generation():
+    from diffusers import UNet2DConditionModel
+
+    from weightstream.pipeline import DEFAULT_TOKENS, _resolve_calls, denoiser_tokens
+
+    pipe = tiny_flux_pipeline()
+    calls, tokens = _resolve_calls(modules_of(pipe), 20, None, {"vae": 64})
+    assert calls == {"vae": 1, "text_encoder": 1, "text_encoder_2": 1, "transformer": 20}
+    assert tokens == {"vae": 64, "text_encoder": 512, "text_encoder_2": 512, "transformer": 4608}
+    with torch.device("meta"):
+        unet = UNet2DConditionModel(block_out_channels=(8, 16), layers_per_block=1, sample_size=8,
+                                    norm_num_groups=4, cross_attention_dim=8, attention_head_dim=2,
+                                    down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+                                    up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"))
+    assert denoiser_tokens(unet) == DEFAULT_TOKENS["denoiser"] == 4096  # no default generation known
+
+
 def test_a_budget_below_the_minimum_says_what_would_fit():
     pipe = tiny_flux_pipeline()
     with pytest.raises(BudgetError) as err:
@@ -307,6 +324,8 @@ def test_plan_shows_the_per_component_placement_of_a_pipeline_folder(tmp_path, c
     report = json.loads(capsys.readouterr().out)
     assert set(report["components"]) == {"vae", "text_encoder", "text_encoder_2", "transformer"}
     assert report["gpu_bytes"] <= budget and report["components"]["transformer"]["calls"] == 28
+    assert report["components"]["transformer"]["tokens"] == 4096 + 512  # FluxPipeline's 1024x1024 step
+    assert report["components"]["text_encoder_2"]["tokens"] == 512
     handle = ws.offload(pipe, gpu_memory=budget, device="cpu", strategy="stream")  # the same split
     for name, c in report["components"].items():
         p = handle.placements[name]
@@ -408,7 +427,8 @@ def test_plan_of_a_diffusers_model_folder_and_from_pretrained_refusing_it(tmp_pa
     report = json.loads(capsys.readouterr().out)
     assert report["weight_bytes"] == weights and report["blocks"] == 4  # 2 double + 2 single blocks
     assert report["gpu_bytes"] <= weights // 2 and report["streamed"]["blocks"]
-    assert report["optimized_for_tokens"] == 4096 and set(report["predicted"]) == {"forward_4096"}
+    # a Flux transformer is planned for FluxPipeline's 1024x1024 step: 4096 latent + 512 text tokens
+    assert report["optimized_for_tokens"] == 4608 and set(report["predicted"]) == {"forward_4608"}
     assert main(["plan", folder, "--gpu-memory", str(weights // 2), "--tokens", "64"]) == 0
     assert "predicted forward_64:" in capsys.readouterr().out
     with pytest.raises(CheckpointError, match="diffusers FluxTransformer2DModel config"):

@@ -44,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
                                     "components")
     plan.add_argument("--gpu-memory", required=True, help='GPU budget for the weights, e.g. "20GiB"')
     plan.add_argument("--tokens", type=int, default=None,
-                      help="tokens per forward to plan for (default 1; 4096 for a diffusers model folder)")
+                      help="tokens per forward to plan for (default 1; for a diffusers model folder what "
+                           "it sees at its pipeline's default generation: 4608 for Flux at 1024x1024)")
     plan.add_argument("--strategy", default="auto", choices=["auto", "stream", "uva"])
     plan.add_argument("--dtype", default=None,
                       help="dtype to plan in (default: a folder's checkpoint dtype; bfloat16 for built-ins)")

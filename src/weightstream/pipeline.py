@@ -33,6 +33,22 @@ from .sizes import format_size, parse_size
 DENOISERS = ("transformer", "transformer_2", "unet", "prior", "decoder")  # called once per step
 DEFAULT_STEPS = 28
 DEFAULT_TOKENS = {"denoiser": 4096, "other": 512}  # tokens per forward the cost model plans for
+# Tokens per denoiser forward at its pipeline's default generation, by the denoiser's class: what its
+# GEMMs and attention see. A model not listed gets DEFAULT_TOKENS["denoiser"] (a 64x64 latent).
+DENOISER_TOKENS = {
+    # FluxPipeline at 1024x1024: 64x64 packed latent tokens, joint with its 512 T5 tokens
+    "FluxTransformer2DModel": 4096 + 512,
+    # StableDiffusion3Pipeline at 1024x1024: 64x64 patches, joint with 77 CLIP + 256 T5 tokens
+    "SD3Transformer2DModel": 4096 + 77 + 256,
+    # WanPipeline at 480x832, 81 frames: 21 latent frames of 30x52 patches (text enters by cross-attention)
+    "WanTransformer3DModel": 21 * 30 * 52,
+}
+
+
+def denoiser_tokens(model: nn.Module) -> int:
+    """Tokens per forward to plan a denoiser for: its pipeline's default generation (DENOISER_TOKENS),
+    else DEFAULT_TOKENS["denoiser"]."""
+    return DENOISER_TOKENS.get(type(model).__name__, DEFAULT_TOKENS["denoiser"])
 _PIPE_ATTR = "_weightstream_pipeline_handle"
 
 
@@ -200,12 +216,15 @@ class PipelineHandle:
         return self.pipe
 
 
-def _resolve_calls(names, steps: int, calls: dict[str, int] | None, tokens: dict[str, int] | None):
+def _resolve_calls(modules: dict[str, nn.Module], steps: int, calls: dict[str, int] | None,
+                   tokens: dict[str, int] | None):
+    """Calls per generation and tokens per call of each component: the given ones, else the denoiser
+    `steps` calls of `denoiser_tokens` and every other component one call of DEFAULT_TOKENS["other"]."""
     calls, tokens = dict(calls or {}), dict(tokens or {})
-    for name in names:
-        role = "denoiser" if name in DENOISERS else "other"
-        calls.setdefault(name, steps if role == "denoiser" else 1)
-        tokens.setdefault(name, DEFAULT_TOKENS[role])
+    for name, module in modules.items():
+        denoiser = name in DENOISERS
+        calls.setdefault(name, steps if denoiser else 1)
+        tokens.setdefault(name, denoiser_tokens(module) if denoiser else DEFAULT_TOKENS["other"])
         if calls[name] < 0 or tokens[name] < 1:
             raise ValueError(f"{name}: calls={calls[name]}, tokens={tokens[name]}: give calls >= 0 and "
                              "tokens >= 1 per component")
@@ -249,8 +268,10 @@ def offload_pipeline(
 
     steps: denoising steps per generation to plan for (the denoiser, `transformer` or `unet`, runs once
         per step; every other component once). calls: calls per generation by component name, to
-        override that. tokens: tokens per forward by component name (default 4096 for the denoiser,
-        a 1024x1024 Flux image; 512 for the rest). strategy, pin_memory, device: as for `offload`.
+        override that. tokens: tokens per forward by component name (default: for the denoiser, what
+        it sees at its pipeline's default generation, `DENOISER_TOKENS`: 4608 for Flux at 1024x1024,
+        4096 + 333 for SD3, 32760 for Wan 2.1 at 480p and 81 frames, else 4096; 512 for the rest).
+        strategy, pin_memory, device: as for `offload`.
     compress: as for `offload`, planned with the rest: "auto" (the default) streams a component's groups
         compressed where that predicts a faster generation (never on the CPU backend), True wherever
         they shrink, False never. Landing buffers count in `gpu_memory`.

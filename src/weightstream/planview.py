@@ -18,7 +18,8 @@ def plan_report(model_name: str, gpu_memory: int | str, tokens: int | None = Non
                 cpu_memory: int | str | None = None, compress: bool | str = "auto") -> dict:
     """The placement of `model_name` (built-in shape, local checkpoint folder or diffusers model folder)
     under `gpu_memory`, optimized for `tokens` tokens per forward (None: 1 for a causal LM; for a
-    diffusers model the pipelines' denoiser default, 4096: a 1024x1024 Flux image), with predicted ms
+    diffusers model what it sees at its pipeline's default generation, `pipeline.denoiser_tokens`:
+    4608 for Flux at 1024x1024, 4096 where no default is known), with predicted ms
     for decode (1 token) and prefill, or for a diffusers model one forward at `tokens`; plain data.
 
     dtype: the dtype to plan in (default: a local checkpoint's own, as `from_pretrained` loads it;
@@ -29,9 +30,9 @@ def plan_report(model_name: str, gpu_memory: int | str, tokens: int | None = Non
     model = meta_model(model_name, dtype)
     diffusers_model = type(model).__module__.startswith("diffusers")
     if tokens is None:
-        from .pipeline import DEFAULT_TOKENS
+        from .pipeline import denoiser_tokens
 
-        tokens = DEFAULT_TOKENS["denoiser"] if diffusers_model else 1
+        tokens = denoiser_tokens(model) if diffusers_model else 1
     device = "cuda" if torch.cuda.is_available() else "cpu"
     profile = load_profile(device)
     host_bytes = None if cpu_memory is None else parse_size(cpu_memory)
