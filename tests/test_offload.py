@@ -387,3 +387,65 @@ def test_a_given_profile_is_the_planners_only_machine_input(monkeypatch):
     fast = offload_module.prepare(toy_twin()[1], budget, "cpu", profile=ws.REFERENCE_PROFILE).placement
     slow = offload_module.prepare(toy_twin()[1], budget, "cpu", profile=slow_link).placement
     assert fast.prediction.ms < slow.prediction.ms  # the profile is what the prediction is made from
+
+
+# --- the eager schedule: no op dispatch, no copies, but never a tensor that the next copy overwrites ---
+
+class Peek(nn.Module):
+    """A block that records the storage it computes from, scales its input in place (a block may), and
+    returns its output together with a view of its own weight (a block may return one)."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+        self.seen: list[int] = []
+
+    def forward(self, x):
+        self.seen.append(x.untyped_storage().data_ptr())
+        x.mul_(0.5)
+        return torch.tanh(self.fc(x)), self.fc.weight[0]
+
+
+class PeekModel(nn.Module):
+    def __init__(self, n: int = 4, dim: int = 16) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(Peek(dim) for _ in range(n))
+
+    def forward(self, x):
+        rows, inputs = [], []
+        for layer in self.layers:
+            inputs.append(x)
+            x, row = layer(x)
+            rows.append(row)
+        return x, rows, inputs
+
+
+def test_eager_blocks_see_the_callers_tensors_and_never_a_slot_the_next_copy_overwrites():
+    torch.manual_seed(0)
+    ref = PeekModel().eval().requires_grad_(False)
+    model = copy.deepcopy(ref)
+    with pytest.raises(ws.BudgetError) as info:
+        ws.offload(model, gpu_memory=0, device="cpu", strategy="stream")
+    handle = ws.offload(model, gpu_memory=info.value.minimum_bytes, device="cpu", strategy="stream")
+    assert handle.stats.groups == 4 and handle.stats.slots == 1  # every block through one slot
+    with torch.no_grad():
+        for _ in range(2):
+            a, b = torch.randn(3, 16), None
+            b = a.clone()
+            out_ref, rows_ref, inputs_ref = ref(a)
+            out, rows, inputs = model(b)
+            assert torch.equal(out, out_ref)
+            # each block's weight row, returned as a view of its slot, was copied before the next group
+            # landed in that slot (the CPU backend copies at once: without it, every row would be the
+            # last group's)
+            for r, want in zip(rows, rows_ref, strict=True):
+                assert torch.equal(r, want)
+            # the blocks computed from the caller's tensors themselves and scaled them in place, as the
+            # resident blocks did (a copy per block would have hidden the in-place scaling)
+            assert torch.equal(b, a)
+            assert all(torch.equal(x, y) for x, y in zip(inputs, inputs_ref, strict=True))
+            seen = [x.untyped_storage().data_ptr() for x in inputs]
+            assert [layer.seen[-1] for layer in model.layers] == seen
+    handle.restore()
+    assert all(torch.equal(p, q) for p, q in zip(model.state_dict().values(), ref.state_dict().values(),
+                                                 strict=True))

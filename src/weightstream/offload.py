@@ -131,6 +131,7 @@ class OffloadHandle:
         self._uva_groups = prep.uva_groups
         self._arena = arena
         self._slots = slots
+        self._slot_storages = {s.untyped_storage().data_ptr() for s in slots}
         self._schedule = Schedule(len(prep.groups), prep.placement.n_slots)
         self._wire = prep.wire or [None] * len(prep.groups)
         self._group_bytes = prep.group_bytes
@@ -185,6 +186,11 @@ class OffloadHandle:
         if plan.join:
             self._transfer.join()
         self._leave()
+
+    def unalias(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """`tensors`, each that shares memory with a staging slot copied (the eager ops pass the rest
+        through): a block's input or output must not change when the next group lands in its slot."""
+        return [t.clone() if t.untyped_storage().data_ptr() in self._slot_storages else t for t in tensors]
 
     def _copy_ahead(self, group: int, capturing: bool) -> None:
         """After `group` was started into its slot: send the bytes of the group the schedule offers

@@ -29,6 +29,7 @@ from .errors import OffloadStateError
 class _Engine(Protocol):
     def wait(self, group: int) -> None: ...
     def release(self, group: int) -> None: ...
+    def unalias(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]: ...
     def abort(self) -> None: ...
     def on_graph_event(self, synchronize: bool = False) -> None: ...
 
@@ -73,6 +74,34 @@ def abort(engine_id: int) -> None:
         engine.abort()
 
 
+def eager(kind: str, tensors: list[torch.Tensor], engine_id: int, group: int) -> list[torch.Tensor]:
+    """`wait` or `release` (`kind`) run straight on the engine, for an eager forward outside any
+    tracing (`streamed.py` decides): the same schedule calls, without the custom op's dispatch and
+    without copying every tensor a block takes and returns. Those copies exist for torch.compile (a
+    custom op may not return its inputs); in eager they cost a device copy per tensor per block (7 per
+    Flux block, 1.5 ms of a 197 ms step on the H200) and host time. Only a tensor that shares memory
+    with the engine's staging slots is copied (`unalias`), before the release that lets the next copy
+    overwrite the slot. Autograd is refused as the op's autograd rule refuses it (guards.py): where an
+    input or output requires grad under grad mode, after the release (so the engine is free again)."""
+    engine = _engine(engine_id)
+    if kind == "wait":
+        _refuse_autograd(tensors)  # before the wait takes the engine: nothing to let go of
+        engine.wait(group)
+        return engine.unalias(tensors)
+    tensors = engine.unalias(tensors)
+    engine.release(group)
+    _refuse_autograd(tensors)
+    return tensors
+
+
+def _refuse_autograd(tensors: list[torch.Tensor]) -> None:
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        from .errors import InferenceOnlyError
+        from .guards import INFERENCE_ONLY
+
+        raise InferenceOnlyError(INFERENCE_ONLY.format(what="autograd through streamed blocks"))
+
+
 @torch.library.custom_op("weightstream::wait", mutates_args=())
 def wait(tensors: list[torch.Tensor], engine_id: int, group: int) -> list[torch.Tensor]:
     """Before block `group`: make its weights ready in their slot; returns a copy of each of the
@@ -89,9 +118,11 @@ def _wait_fake(tensors: list[torch.Tensor], engine_id: int, group: int) -> list[
 @torch.library.custom_op("weightstream::release", mutates_args=())
 def release(tensors: list[torch.Tensor], engine_id: int, group: int) -> list[torch.Tensor]:
     """After block `group`: free its slot and start the next copy into it; returns a copy of each of
-    the block's output tensors."""
-    _engine(engine_id).release(group)
-    return [t.clone() for t in tensors]
+    the block's output tensors, made before the release (an output may be a view of the slot)."""
+    engine = _engine(engine_id)
+    copies = [t.clone() for t in tensors]
+    engine.release(group)
+    return copies
 
 
 @release.register_fake

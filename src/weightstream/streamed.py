@@ -22,13 +22,26 @@ def _tensor_leaves(tree) -> tuple[list, object, list[int]]:
     return leaves, spec, [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
 
 
+def _traced(tensors: list[torch.Tensor]) -> bool:
+    """Whether this call is being traced (torch.compile, export, make_fx, fake tensors) rather than
+    run eagerly: then the schedule must go through the custom ops."""
+    return (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
+            or any(type(t) is not torch.Tensor for t in tensors))
+
+
 def _through(op, tree, engine_id: int, group: int):
-    """`tree` with every tensor in it replaced by what `op` returns for it (one call for all)."""
+    """`tree` with every tensor in it replaced by what `op` returns for it (one call for all). Run
+    eagerly, the engine is called straight (`ops.eager`: no op dispatch, no copies)."""
     leaves, spec, where = _tensor_leaves(tree)
     if not where:
         return tree, False
-    for i, new in zip(where, op([leaves[i] for i in where], engine_id, group), strict=True):
-        leaves[i] = new
+    tensors = [leaves[i] for i in where]
+    if _traced(tensors):
+        new = op(tensors, engine_id, group)
+    else:
+        new = ops.eager("wait" if op is ops.wait else "release", tensors, engine_id, group)
+    for i, t in zip(where, new, strict=True):
+        leaves[i] = t
     return pytree.tree_unflatten(leaves, spec), True
 
 
