@@ -24,6 +24,7 @@ import time
 import torch
 
 import weightstream as ws
+from weightstream.pipeline import offload_pipeline
 
 
 @contextlib.contextmanager
@@ -153,7 +154,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"resident: {sum(ms):.1f} ms for {len(ms)} steps")
         pipe.to("cpu")
     compress = {"auto": "auto", "true": True, "false": False}[args.compress]
-    handle = ws.offload(pipe, gpu_memory=budget, device=device, compress=compress)  # planned for 28 steps
+    # ws.offload(pipe, gpu_memory=...) plans FluxPipeline's defaults (28 steps of 4096 + 512 tokens at
+    # 1024x1024); offload_pipeline takes the steps and the transformer's tokens this run uses
+    latent_tokens = (args.size // (2 * pipe.vae_scale_factor)) ** 2  # 2x2-packed latent pixels
+    tokens = {"transformer": latent_tokens + configs(args.tiny)["t5_tokens"]}
+    handle = offload_pipeline(pipe, budget, device=device, compress=compress, steps=args.steps, tokens=tokens)
     print(f"{ws.format_size(total)} of weights; {handle.stats}")
     image, ms = generate(pipe, args, device)
     for i, step in enumerate(ms):
