@@ -5,7 +5,7 @@
 # Usage (repository root, diffusers' wheel in .whl/, $OUT set by the device tool):
 #   bash benchmarks/diffusion_h200.sh PART      PART: flux | wan | flux-compiled | wan-compiled | all
 #                                                     (flux then wan) | pipeline | decoder | gpu-tests
-#                                                     | flux-short | flux-timeline
+#                                                     | flux-short | flux-timeline | ab-eager-ops
 # (COMPILED_BUDGETS=12GiB,0.25 for flux-compiled at both budgets, with COMPILED_SECONDS=400)
 # Each part writes suite_<name>.json/.log under $OUT and prints the table against max(compute, transfer).
 # `all` stays under about 7 minutes: no method is started after FLUX_SECONDS (140) / WAN_SECONDS (120)
@@ -70,6 +70,10 @@ flux-timeline)  # the 12 GiB step and the resident step profiled in one run (the
         --reps 5 --method-seconds 80 2>&1 | tee "$OUT/suite_flux-dev-transformer_timeline.log" | grep "^\[" || true
     python3 benchmarks/timeline_waits.py "$OUT/suite_flux-dev-transformer_timeline.json" \
         | tee "$OUT/timeline_waits_flux.log" ;;
+ab-eager-ops)  # session 32's eager schedule calls against the custom ops with their copies, one process,
+    # alternating rounds (benchmarks/ab_eager_ops.py): Flux at 12 GiB, about 1 minute
+    python3 benchmarks/ab_eager_ops.py --shape flux-dev-transformer --phase denoise-b1 --budget 12GiB \
+        --out "$OUT" 2>&1 | tail -12 ;;
 gpu-tests)
     PYTHONPATH=src:tests:/tmp/site python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_codec.py \
         tests/test_wire.py tests/test_gpu_call_orders.py tests/test_gpu.py tests/test_gpu_hf.py \

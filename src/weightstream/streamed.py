@@ -22,10 +22,15 @@ def _tensor_leaves(tree) -> tuple[list, object, list[int]]:
     return leaves, spec, [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
 
 
+# Whether an eager forward calls the engine straight (`ops.eager`); False sends it through the custom
+# ops and their copies as a compiled forward does (benchmarks/ab_eager_ops.py times one against the other)
+EAGER_DIRECT = True
+
+
 def _traced(tensors: list[torch.Tensor]) -> bool:
     """Whether this call is being traced (torch.compile, export, make_fx, fake tensors) rather than
-    run eagerly: then the schedule must go through the custom ops."""
-    return (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
+    run eagerly, or EAGER_DIRECT is off: then the schedule goes through the custom ops."""
+    return (not EAGER_DIRECT or torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
             or any(type(t) is not torch.Tensor for t in tensors))
 
 

@@ -1,0 +1,89 @@
+"""A/B of session 32's eager schedule calls: one offloaded model, eager, timed with the schedule called
+straight (`ops.eager`, no copies) and through the custom ops with their copies of every tensor a block
+takes and returns (`streamed.EAGER_DIRECT = False`, as before session 32), alternating A and B rounds
+in one process so that both see the same placement, machine and clocks; each output checked with
+`torch.equal` against the resident model's.
+
+    PYTHONPATH=src:/tmp/site python3 benchmarks/ab_eager_ops.py --shape flux-dev-transformer \\
+        --phase denoise-b1 --budget 12GiB [--rounds 3 --reps 5] [--out DIR]   (about 1 minute)
+    (--device cpu: a smoke test of this script on the CPU backend; the shape tiny-flux fits there)
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from pathlib import Path
+
+import torch
+
+import weightstream as ws
+from weightstream import streamed
+from weightstream.bench.phases import parse_phase
+from weightstream.bench.shapes import build_model, get_shape, resolve_phase, shape_weight_bytes
+from weightstream.timing import time_calls
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="flux-dev-transformer")
+    parser.add_argument("--phase", default="denoise-b1")
+    parser.add_argument("--budget", default="12GiB",
+                        help="GPU budget: a size such as 12GiB, or a fraction of the weights such as 0.25")
+    parser.add_argument("--rounds", type=int, default=3, help="A then B rounds")
+    parser.add_argument("--reps", type=int, default=5, help="calls timed back to back per round")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--out", default=None, help="folder for ab_eager_ops.log")
+    args = parser.parse_args()
+
+    device = torch.device(args.device)
+    shape = get_shape(args.shape)
+    phase = resolve_phase(shape, parse_phase(args.phase))
+    model = build_model(args.shape, device)
+    x = shape.model.inputs(model, [phase], device, seed=0)[phase.name]
+
+    def forward():
+        with torch.no_grad():
+            return shape.model.forward(model, x)
+
+    want = forward().clone()
+    resident = statistics.median(time_calls(forward, args.reps, device)[0])
+    try:
+        fraction = float(args.budget)
+    except ValueError:
+        budget = ws.parse_size(args.budget)
+    else:
+        budget = int(fraction * shape_weight_bytes(args.shape))
+    handle = ws.offload(model, gpu_memory=budget, device=device, tokens=phase.batch * phase.seq)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    st = handle.stats
+    lines = [f"# ab_eager_ops.py --shape {args.shape} --phase {args.phase} --budget {args.budget} on {name}, "
+             f"torch {torch.__version__}; {st.placement_kind}, {st.groups} groups, {st.slots} slots, "
+             f"wire ratio {st.wire_bytes / max(1, st.wire_raw_bytes):.3f}",
+             f"resident eager: {resident:.2f} ms (median of {args.reps})"]
+    ms: dict[bool, list[float]] = {True: [], False: []}
+    try:
+        for r in range(args.rounds):
+            for direct in (True, False):
+                streamed.EAGER_DIRECT = direct
+                times, out = time_calls(forward, args.reps, device)
+                exact = torch.equal(out, want)
+                ms[direct].append(statistics.median(times))
+                lines.append(f"round {r + 1} {'direct' if direct else 'ops   '}: {ms[direct][-1]:8.2f} ms, "
+                             f"exact {exact}")
+    finally:
+        streamed.EAGER_DIRECT = True
+    a, b = statistics.median(ms[True]), statistics.median(ms[False])
+    lines.append(f"median of rounds: direct {a:.2f} ms, through the ops {b:.2f} ms ({b - a:+.2f} ms for the "
+                 f"ops); resident {resident:.2f} ms")
+    handle.restore()
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "ab_eager_ops.log").write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
