@@ -30,6 +30,7 @@ def main() -> int:
     parser.add_argument("--phase", default="denoise-b1")
     parser.add_argument("--budget", default="12GiB",
                         help="GPU budget: a size such as 12GiB, or a fraction of the weights such as 0.25")
+    parser.add_argument("--strategy", default="auto", help="auto, stream or uva (as for offload)")
     parser.add_argument("--rounds", type=int, default=3, help="A then B rounds")
     parser.add_argument("--reps", type=int, default=5, help="calls timed back to back per round")
     parser.add_argument("--device", default="cuda")
@@ -54,7 +55,8 @@ def main() -> int:
         budget = ws.parse_size(args.budget)
     else:
         budget = int(fraction * shape_weight_bytes(args.shape))
-    handle = ws.offload(model, gpu_memory=budget, device=device, tokens=phase.batch * phase.seq)
+    handle = ws.offload(model, gpu_memory=budget, device=device, tokens=phase.batch * phase.seq,
+                        strategy=args.strategy)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     st = handle.stats
     lines = [f"# ab_eager_ops.py --shape {args.shape} --phase {args.phase} --budget {args.budget} on {name}, "
