@@ -37,6 +37,33 @@ import torch
 MiB = 1 << 20
 
 
+def profiled(run_once, kinds) -> list[str]:
+    """One run of each of `kinds` under torch.profiler: where the chain's extra time goes, the kernels
+    themselves (GEMMs and the rest) or the gaps between them."""
+    import statistics as st
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from weightstream.bench.timeline import timeline_events
+
+    lines = []
+    for kind in kinds:
+        # CPU activities too: some builds report GPU activities only alongside them
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            run_once(kind)
+        compute = sorted((s, e, name) for row, name, s, e in timeline_events(prof.events())
+                         if row == "compute" and not any(w in name.lower() for w in ("sleep", "spin")))
+        gemm = sum(e - s for s, e, name in compute if "elementwise" not in name)  # the rest: mul, add, silu
+        other = sum(e - s for s, e, _ in compute) - gemm
+        gaps = [(b[0] - a[1]) * 1e3 for a, b in zip(compute, compute[1:], strict=False) if b[0] >= a[1]]
+        small = [g for g in gaps if g <= 50]
+        median = st.median(small) if small else 0.0
+        lines.append(f"profiled, {kind}: {len(compute)} kernels, GEMMs {gemm:.3f} ms, "
+                     f"the rest {other:.3f} ms, gaps under 50 us: {len(small)}, median {median:.2f} us, "
+                     f"sum {sum(small) / 1e3:.3f} ms")
+    return lines
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--blocks", type=int, default=150, help="GEMM + 3 elementwise kernels each")
@@ -45,6 +72,9 @@ def main() -> int:
     parser.add_argument("--every", type=int, default=40, help="kernels between the side stream's waits")
     parser.add_argument("--copy-mib", type=int, default=64, help="the copy after each wait (MiB)")
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--profile", action="store_true",
+                        help="also profile the chain alone and beside one 4 GiB copy: kernel time (GEMMs, "
+                             "the rest) against the gaps between kernels")
     parser.add_argument("--out", default=None, help="folder for diag_launch_gaps.log")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -104,9 +134,9 @@ def main() -> int:
                     side.wait_event(ev)
                     tiny.add_(1)
 
-    def run(kind: str) -> float:
+    def run(kind: str, reps: int | None = None) -> float:
         times = []
-        for _ in range(args.reps):
+        for _ in range(reps or args.reps):
             torch.cuda.synchronize(device)
             events = [torch.cuda.Event() for _ in range(kernels // args.every)]
             after = torch.cuda.Event()
@@ -136,6 +166,9 @@ def main() -> int:
         base = ms if base is None else base
         extra = (ms - base) * 1e3 / kernels
         lines.append(f"{kind:45s}: {ms:8.3f} ms, {extra:+6.2f} us per kernel over alone")
+    if args.profile:
+        lines += profiled(run_once=lambda kind: run(kind, reps=1),
+                          kinds=("alone", "one 4 GiB pinned copy"))
     text = "\n".join(lines)
     print(text)
     if args.out:

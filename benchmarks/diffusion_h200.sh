@@ -6,6 +6,7 @@
 #   bash benchmarks/diffusion_h200.sh PART      PART: flux | wan | flux-compiled | wan-compiled | all
 #                                                     (flux then wan) | pipeline | decoder | gpu-tests
 #                                                     | flux-short | flux-timeline | ab-eager-ops
+#                                                     | launch-gaps
 # (COMPILED_BUDGETS=12GiB,0.25 for flux-compiled at both budgets, with COMPILED_SECONDS=400)
 # Each part writes suite_<name>.json/.log under $OUT and prints the table against max(compute, transfer).
 # `all` stays under about 7 minutes: no method is started after FLUX_SECONDS (140) / WAN_SECONDS (120)
@@ -70,6 +71,9 @@ flux-timeline)  # the 12 GiB step and the resident step profiled in one run (the
         --reps 5 --method-seconds 80 2>&1 | tee "$OUT/suite_flux-dev-transformer_timeline.log" | grep "^\[" || true
     python3 benchmarks/timeline_waits.py "$OUT/suite_flux-dev-transformer_timeline.json" \
         | tee "$OUT/timeline_waits_flux.log" ;;
+launch-gaps)  # what a host->GPU copy in flight costs a chain of Flux-sized kernels, and whether in the
+    # kernels or in the gaps between them (benchmarks/diag_launch_gaps.py --profile): about 1 minute
+    python3 benchmarks/diag_launch_gaps.py --profile --out "$OUT" 2>&1 | tail -12 ;;
 ab-eager-ops)  # session 32's eager schedule calls against the custom ops with their copies, one process,
     # alternating rounds (benchmarks/ab_eager_ops.py): Flux at 12 GiB, about 1 minute
     python3 benchmarks/ab_eager_ops.py --shape flux-dev-transformer --phase denoise-b1 --budget 12GiB \
