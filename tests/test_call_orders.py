@@ -205,16 +205,22 @@ def run_action(action, ref: Model, model: Model, handle, step: int) -> None:
 
 @pytest.mark.parametrize("kind", ["one", "two"])
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(placement=placements(), actions=st.lists(ACTIONS, min_size=1, max_size=12))
-def test_every_call_order_is_exact(kind, placement, actions):
+@given(placement=placements(), actions=st.lists(ACTIONS, min_size=1, max_size=12), direct=st.booleans())
+def test_every_call_order_is_exact(kind, placement, actions, direct):
+    """direct: eager blocks call the engine straight (the default) or through the custom ops, as a
+    compiled forward does (`streamed.EAGER_DIRECT`): either way every call order is exact."""
     ref, model = twin(kind)
     streamed, n_slots, uva, part = placement
     handle = forced(model, streamed, n_slots, uva, part)
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for step, action in enumerate(actions):
-            run_action(action, ref, model, handle, step)
-        run_action(("forward",), ref, model, handle, len(actions))  # and an ordinary forward after all
+    ws.streamed.EAGER_DIRECT = direct
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for step, action in enumerate(actions):
+                run_action(action, ref, model, handle, step)
+            run_action(("forward",), ref, model, handle, len(actions))  # and an ordinary forward after all
+    finally:
+        ws.streamed.EAGER_DIRECT = True
     handle.restore()
 
 
