@@ -204,8 +204,14 @@ _PATCHES = {
 }
 
 
-def _no_autograd(ctx, inputs, output) -> None:
+def refuse_autograd() -> None:
+    """Raise the error for autograd through streamed blocks: the ops' autograd rule and the eager
+    schedule calls (`ops.eager`) raise the same."""
     raise InferenceOnlyError(INFERENCE_ONLY.format(what="autograd through streamed blocks"))
+
+
+def _no_autograd(ctx, inputs, output) -> None:
+    refuse_autograd()
 
 
 def _unreachable_backward(ctx, grad):  # setup_context always raises first

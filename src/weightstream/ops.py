@@ -74,8 +74,8 @@ def abort(engine_id: int) -> None:
         engine.abort()
 
 
-def eager(kind: str, tensors: list[torch.Tensor], engine_id: int, group: int) -> list[torch.Tensor]:
-    """`wait` or `release` (`kind`) run straight on the engine, for an eager forward outside any
+def eager(op, tensors: list[torch.Tensor], engine_id: int, group: int) -> list[torch.Tensor]:
+    """The op `wait` or `release` (`op`) run straight on the engine, for an eager forward outside any
     tracing (`streamed.py` decides): the same schedule calls, without the custom op's dispatch and
     without copying every tensor a block takes and returns. Those copies exist for torch.compile (a
     custom op may not return its inputs); in eager they cost a device copy per tensor per block (7 per
@@ -84,7 +84,7 @@ def eager(kind: str, tensors: list[torch.Tensor], engine_id: int, group: int) ->
     overwrite the slot. Autograd is refused as the op's autograd rule refuses it (guards.py): where an
     input or output requires grad under grad mode, after the release (so the engine is free again)."""
     engine = _engine(engine_id)
-    if kind == "wait":
+    if op is wait:
         _refuse_autograd(tensors)  # before the wait takes the engine: nothing to let go of
         engine.wait(group)
         return engine.unalias(tensors)
@@ -96,10 +96,9 @@ def eager(kind: str, tensors: list[torch.Tensor], engine_id: int, group: int) ->
 
 def _refuse_autograd(tensors: list[torch.Tensor]) -> None:
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        from .errors import InferenceOnlyError
-        from .guards import INFERENCE_ONLY
+        from .guards import refuse_autograd  # guards imports this module
 
-        raise InferenceOnlyError(INFERENCE_ONLY.format(what="autograd through streamed blocks"))
+        refuse_autograd()
 
 
 @torch.library.custom_op("weightstream::wait", mutates_args=())

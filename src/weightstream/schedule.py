@@ -49,9 +49,10 @@ class WaitPlan:
     slot: int
     copies: list[tuple[int, int]] = field(default_factory=list)  # (slot, group) to start, in this order
     hit: bool = True  # the slot holds (or is being filled with) the group already
-    miss: bool = False  # not a hit although the last release predicted another group
-    # the run order changed: the group the last release was seen followed by before is not this one
-    # (a miss without it comes of guesses: the first passes of a model run out of module order)
+    # a miss (not a hit although the last release predicted another group) where the run order
+    # changed: the group the last release was seen followed by before is not this one (a miss without
+    # it comes of guesses: the first passes of a model run out of module order; `Schedule.misses`
+    # counts every miss)
     changed: bool = False
 
 
@@ -155,7 +156,6 @@ class Schedule:
             self.prologues += 1
             self.misses_last_pass = 0
         else:
-            plan.miss = True
             plan.changed = changed
             self.misses += 1
             self.misses_last_pass += 1

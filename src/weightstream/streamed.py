@@ -44,7 +44,7 @@ def _through(op, tree, engine_id: int, group: int):
     if _traced(tensors):
         new = op(tensors, engine_id, group)
     else:
-        new = ops.eager("wait" if op is ops.wait else "release", tensors, engine_id, group)
+        new = ops.eager(op, tensors, engine_id, group)
     for i, t in zip(where, new, strict=True):
         leaves[i] = t
     return pytree.tree_unflatten(leaves, spec), True
