@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-from pathlib import Path
 
 import torch
+from diag_eager_host import build, emit  # the script's folder is on sys.path
 
 import weightstream as ws
 from weightstream import streamed
-from weightstream.bench.phases import parse_phase
-from weightstream.bench.shapes import build_model, get_shape, resolve_phase, shape_weight_bytes
+from weightstream.bench.runner import resolve_budget
+from weightstream.bench.shapes import shape_weight_bytes
 from weightstream.timing import time_calls
 
 
@@ -38,23 +38,10 @@ def main() -> int:
     args = parser.parse_args()
 
     device = torch.device(args.device)
-    shape = get_shape(args.shape)
-    phase = resolve_phase(shape, parse_phase(args.phase))
-    model = build_model(args.shape, device)
-    x = shape.model.inputs(model, [phase], device, seed=0)[phase.name]
-
-    def forward():
-        with torch.no_grad():
-            return shape.model.forward(model, x)
-
+    phase, model, forward = build(args.shape, args.phase, device)
     want = forward().clone()
     resident = statistics.median(time_calls(forward, args.reps, device)[0])
-    try:
-        fraction = float(args.budget)
-    except ValueError:
-        budget = ws.parse_size(args.budget)
-    else:
-        budget = int(fraction * shape_weight_bytes(args.shape))
+    budget = resolve_budget(args.budget, shape_weight_bytes(args.shape))
     handle = ws.offload(model, gpu_memory=budget, device=device, tokens=phase.batch * phase.seq,
                         strategy=args.strategy)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -79,11 +66,7 @@ def main() -> int:
     lines.append(f"median of rounds: direct {a:.2f} ms, through the ops {b:.2f} ms ({b - a:+.2f} ms for the "
                  f"ops); resident {resident:.2f} ms")
     handle.restore()
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "ab_eager_ops.log").write_text(text + "\n")
+    emit(lines, args.out, "ab_eager_ops.log")
     return 0
 
 

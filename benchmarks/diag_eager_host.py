@@ -130,6 +130,31 @@ def launch_probe(device: torch.device, kernels: int = 2000) -> list[str]:
     return lines
 
 
+def build(shape_name: str, phase_name: str, device: torch.device):
+    """(phase, model, forward): the bench shape's model with random weights on `device` and a
+    zero-argument forward of it on the phase's input, under no_grad (also for ab_eager_ops.py)."""
+    shape = get_shape(shape_name)
+    phase = resolve_phase(shape, parse_phase(phase_name))
+    model = build_model(shape_name, device)
+    x = shape.model.inputs(model, [phase], device, seed=0)[phase.name]
+
+    def forward():
+        with torch.no_grad():
+            return shape.model.forward(model, x)
+
+    return phase, model, forward
+
+
+def emit(lines: list[str], out: str | None, name: str) -> None:
+    """Print the report and, with `out`, write it to out/name (also for ab_eager_ops.py and
+    diag_launch_gaps.py)."""
+    text = "\n".join(lines)
+    print(text)
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / name).write_text(text + "\n")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="llama-3-8b")
@@ -143,15 +168,7 @@ def main() -> int:
     args = parser.parse_args()
 
     device = torch.device(args.device)
-    shape = get_shape(args.shape)
-    phase = resolve_phase(shape, parse_phase(args.phase))
-    model = build_model(args.shape, device)
-    x = shape.model.inputs(model, [phase], device, seed=0)[phase.name]
-
-    def forward():
-        with torch.no_grad():
-            return shape.model.forward(model, x)
-
+    phase, model, forward = build(args.shape, args.phase, device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     lines = [f"# {Path(__file__).name} --shape {args.shape} --phase {args.phase} --budget {args.budget} "
              f"--strategy {args.strategy} on {name}, torch {torch.__version__}"]
@@ -176,11 +193,7 @@ def main() -> int:
         del model, handle
         torch.cuda.empty_cache()
         lines += launch_probe(device)
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "diag_eager_host.log").write_text(text + "\n")
+    emit(lines, args.out, "diag_eager_host.log")
     return 0
 
 

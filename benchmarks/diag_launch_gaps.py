@@ -30,9 +30,9 @@ from __future__ import annotations
 
 import argparse
 import statistics
-from pathlib import Path
 
 import torch
+from diag_eager_host import emit  # the script's folder is on sys.path
 
 MiB = 1 << 20
 
@@ -169,11 +169,7 @@ def main() -> int:
     if args.profile:
         lines += profiled(run_once=lambda kind: run(kind, reps=1),
                           kinds=("alone", "one 4 GiB pinned copy"))
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "diag_launch_gaps.log").write_text(text + "\n")
+    emit(lines, args.out, "diag_launch_gaps.log")
     return 0
 
 
