@@ -12,7 +12,7 @@ import warnings
 import pytest
 import torch
 from conftest import make_model, state_copy, weight_bytes
-from test_offload import PeekModel, Toy
+from test_offload import Toy, check_peek_model
 
 import weightstream as ws
 from weightstream.blocks import find_blocks
@@ -333,24 +333,4 @@ def test_eager_blocks_on_the_gpu_keep_weight_views_and_see_the_callers_tensors(d
     before the release) and through the ops (their copies, made before the release too); direct, the
     blocks compute from the caller's tensors and their in-place writes reach it, as resident."""
     monkeypatch.setattr(ws.streamed, "EAGER_DIRECT", direct)
-    torch.manual_seed(0)
-    ref = PeekModel(n=6, dim=256).cuda().eval().requires_grad_(False)
-    model = copy.deepcopy(ref)
-    with pytest.raises(ws.BudgetError) as info:
-        ws.offload(model, gpu_memory=0, strategy="stream", profile=H200)
-    handle = ws.offload(model, gpu_memory=info.value.minimum_bytes, strategy="stream", profile=H200,
-                        compress=False)
-    assert handle.stats.groups == 6 and handle.stats.slots == 1  # every block through one slot
-    with torch.no_grad():
-        for _ in range(3):  # the first forward's prologue, then forwards prefetched by the one before
-            a = torch.randn(8, 256, device="cuda")
-            b = a.clone()
-            out_ref, rows_ref, inputs_ref = ref(a)
-            out, rows, inputs = model(b)
-            torch.cuda.synchronize()
-            assert torch.equal(out, out_ref)
-            assert all(torch.equal(r, w) for r, w in zip(rows, rows_ref, strict=True))
-            assert torch.equal(b, a) == direct  # through the ops, blocks wrote to copies
-            if direct:
-                assert all(torch.equal(x, y) for x, y in zip(inputs, inputs_ref, strict=True))
-    handle.restore()
+    check_peek_model("cuda", n=6, dim=256, forwards=3, profile=H200, compress=False)

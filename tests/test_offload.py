@@ -420,22 +420,23 @@ class PeekModel(nn.Module):
         return x, rows, inputs
 
 
-@pytest.mark.parametrize("direct", [True, False])
-def test_eager_blocks_see_the_callers_tensors_and_never_a_slot_the_next_copy_overwrites(direct, monkeypatch):
-    """direct: the eager path (`ops.eager`); False: through the custom ops, as a compiled forward runs
-    (their copies hide a block's in-place writes from the caller, but a weight view it returns must
-    still be copied before the next group lands)."""
-    monkeypatch.setattr(ws.streamed, "EAGER_DIRECT", direct)
+def check_peek_model(device: str, n: int, dim: int, forwards: int, **offload_kw) -> None:
+    """Offload a PeekModel of `n` blocks with every block streaming through one slot and run
+    `forwards` forwards against its resident twin on `device` (also the GPU test's body): the outputs
+    and each block's weight row are exact; with `streamed.EAGER_DIRECT` the blocks computed from the
+    caller's tensors, without it from the ops' copies."""
+    direct = ws.streamed.EAGER_DIRECT
     torch.manual_seed(0)
-    ref = PeekModel().eval().requires_grad_(False)
+    ref = PeekModel(n, dim).to(device).eval().requires_grad_(False)
     model = copy.deepcopy(ref)
     with pytest.raises(ws.BudgetError) as info:
-        ws.offload(model, gpu_memory=0, device="cpu", strategy="stream")
-    handle = ws.offload(model, gpu_memory=info.value.minimum_bytes, device="cpu", strategy="stream")
-    assert handle.stats.groups == 4 and handle.stats.slots == 1  # every block through one slot
+        ws.offload(model, gpu_memory=0, device=device, strategy="stream", **offload_kw)
+    handle = ws.offload(model, gpu_memory=info.value.minimum_bytes, device=device, strategy="stream",
+                        **offload_kw)
+    assert handle.stats.groups == n and handle.stats.slots == 1  # every block through one slot
     with torch.no_grad():
-        for _ in range(2):
-            a, b = torch.randn(3, 16), None
+        for _ in range(forwards):  # the first forward's prologue, then forwards prefetched by the one before
+            a = torch.randn(8, dim, device=device)
             b = a.clone()
             out_ref, rows_ref, inputs_ref = ref(a)
             out, rows, inputs = model(b)
@@ -457,3 +458,12 @@ def test_eager_blocks_see_the_callers_tensors_and_never_a_slot_the_next_copy_ove
     handle.restore()
     assert all(torch.equal(p, q) for p, q in zip(model.state_dict().values(), ref.state_dict().values(),
                                                  strict=True))
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_eager_blocks_see_the_callers_tensors_and_never_a_slot_the_next_copy_overwrites(direct, monkeypatch):
+    """direct: the eager path (`ops.eager`); False: through the custom ops, as a compiled forward runs
+    (their copies hide a block's in-place writes from the caller, but a weight view it returns must
+    still be copied before the next group lands)."""
+    monkeypatch.setattr(ws.streamed, "EAGER_DIRECT", direct)
+    check_peek_model("cpu", n=4, dim=16, forwards=2)
