@@ -401,3 +401,28 @@ def test_every_registered_engine_takes_each_graph_notification():
         assert handle.stats.prologues == 1 and torch.equal(model(inp), ref(inp))
     assert handle.stats.prologues == 2  # the notification forgot the slots: a new pass
     del edges  # alive until here: the registry holds its engine weakly
+
+
+def test_a_model_with_idle_ops_at_its_edges_runs_eagerly_like_itself():
+    """The compiled tests' reference (conftest.with_boundaries) is also called eagerly between graph
+    replays on the GPU: its eager forward goes through `ops.eager` and the idle engine's every method
+    (session 33's H200 run found `unalias` missing; this runs that path on the CPU), giving the plain
+    model's output. An engine lacking a method is refused when registered."""
+    from conftest import make_model, with_boundaries
+
+    from weightstream import ops
+
+    ref = make_model("llama")
+    edges = with_boundaries(copy.deepcopy(ref))
+    ids = torch.randint(0, 64, (2, 5))
+    with torch.no_grad():
+        assert torch.equal(edges(ids).logits, ref(ids).logits)
+
+    class NoUnalias:
+        def wait(self, group): ...
+        def release(self, group): ...
+        def abort(self): ...
+        def on_graph_event(self, synchronize=False): ...
+
+    with pytest.raises(TypeError, match="lacks unalias"):
+        ops.register(NoUnalias())

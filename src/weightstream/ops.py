@@ -34,13 +34,20 @@ class _Engine(Protocol):
     def on_graph_event(self, synchronize: bool = False) -> None: ...
 
 
+_ENGINE_METHODS = tuple(name for name, value in vars(_Engine).items()
+                        if callable(value) and not name.startswith("_"))
 # Weak: a model dropped without restore() frees its arena and slots like any other object.
 _ENGINES: weakref.WeakValueDictionary[int, _Engine] = weakref.WeakValueDictionary()
 _IDS = itertools.count(1)
 
 
 def register(engine: _Engine) -> int:
-    """Make `engine` reachable from the ops (weakly); returns its id."""
+    """Make `engine` reachable from the ops (weakly); returns its id. An engine lacking one of
+    `_Engine`'s methods is refused here, not at its first forward."""
+    missing = [name for name in _ENGINE_METHODS if not callable(getattr(engine, name, None))]
+    if missing:
+        raise TypeError(f"weightstream: {type(engine).__name__} is not an engine: it lacks "
+                        f"{', '.join(missing)}")
     engine_id = next(_IDS)
     _ENGINES[engine_id] = engine
     return engine_id
