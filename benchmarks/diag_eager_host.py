@@ -155,16 +155,24 @@ def emit(lines: list[str], out: str | None, name: str) -> None:
         (Path(out) / name).write_text(text + "\n")
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def arguments(doc: str, log: str) -> argparse.ArgumentParser:
+    """The options this diagnosis shares with diag_host_sync.py: an offloaded bench shape's eager
+    forward (shape, phase, budget as a fraction of its weight bytes, strategy), reps, device, and the
+    folder for the report `log`."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--shape", default="llama-3-8b")
     parser.add_argument("--phase", default="decode-b1")
     parser.add_argument("--budget", type=float, default=0.97, help="fraction of the weight bytes")
     parser.add_argument("--strategy", default="auto")
     parser.add_argument("--reps", type=int, default=10)
-    parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--out", default=None, help="folder for diag_eager_host.log (else stdout only)")
+    parser.add_argument("--out", default=None, help=f"folder for {log} (else stdout only)")
+    return parser
+
+
+def main() -> int:
+    parser = arguments(__doc__, "diag_eager_host.log")
+    parser.add_argument("--top", type=int, default=25)
     args = parser.parse_args()
 
     device = torch.device(args.device)

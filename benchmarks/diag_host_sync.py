@@ -12,7 +12,6 @@ copy and compute time before it, not tens of microseconds.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -23,22 +22,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from diag_eager_host import build, emit  # noqa: E402
+from diag_eager_host import arguments, build, emit  # noqa: E402
 
 import weightstream as ws  # noqa: E402
 from weightstream.bench.shapes import shape_weight_bytes  # noqa: E402
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--shape", default="llama-3-8b")
-    parser.add_argument("--phase", default="decode-b1")
-    parser.add_argument("--budget", type=float, default=0.97, help="fraction of the weight bytes")
-    parser.add_argument("--strategy", default="auto")
-    parser.add_argument("--reps", type=int, default=10)
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args()
+    args = arguments(__doc__, "diag_host_sync.log").parse_args()
     device = torch.device(args.device)
     phase, model, forward = build(args.shape, args.phase, device)
     handle = ws.offload(model, gpu_memory=int(args.budget * shape_weight_bytes(args.shape)), device=device,

@@ -1,0 +1,33 @@
+"""The eager-host diagnoses on the CPU backend (the scripts the device runs; benchmarks/): they must
+still run, and what they count must be the engine's real calls."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+
+
+def run(script: str, tmp_path, *args: str) -> str:
+    env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src")}
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", script), "--shape", "tiny", "--device", "cpu",
+           "--budget", "0.5", "--strategy", "stream", "--reps", "2", "--out", str(tmp_path), *args]
+    subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=300)
+    return (tmp_path / script.replace(".py", ".log")).read_text()
+
+
+def test_diag_host_sync_times_one_wait_and_one_release_per_streamed_group(tmp_path):
+    log = run("diag_host_sync.py", tmp_path)
+    groups = int(re.search(r"stream, (\d+) groups", log).group(1))
+    assert groups > 0
+    assert f"engine.wait: {groups} calls" in log and f"engine.release: {groups} calls" in log
+
+
+def test_diag_eager_host_reports_resident_and_offloaded(tmp_path):
+    log = run("diag_eager_host.py", tmp_path, "--top", "5")
+    assert re.search(r"^resident: host [\d.]+ ms to enqueue", log, re.M)
+    assert re.search(r"^offloaded: stream, \d+ groups", log, re.M)
+    assert log.count("blocking runtime calls:") == 2
