@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 import weightstream as ws
+from weightstream.bench.causal_lm import CAUSAL_LM
 from weightstream.bench.phases import parse_phase
 from weightstream.bench.shapes import build_model, get_shape, resolve_phase, shape_weight_bytes
 from weightstream.timing import time_calls
@@ -130,16 +131,27 @@ def launch_probe(device: torch.device, kernels: int = 2000) -> list[str]:
     return lines
 
 
-def build(shape_name: str, phase_name: str, device: torch.device):
+def build(shape_name: str, phase_name: str, device: torch.device, cache: bool = False):
     """(phase, model, forward): the bench shape's model with random weights on `device` and a
-    zero-argument forward of it on the phase's input, under no_grad (also for ab_eager_ops.py)."""
+    zero-argument forward of it on the phase's input, under no_grad (also for ab_eager_ops.py).
+
+    cache: a causal LM's forward gets a fresh, empty KV cache each call instead of the bench's
+    `use_cache=False`. transformers then skips the packed-sequence check that a cache-less forward
+    without an attention mask runs (`masking_utils.find_packed_sequence_indices`: a `.all()` that
+    synchronizes the host with the GPU once per forward), as a generation's forwards do."""
     shape = get_shape(shape_name)
     phase = resolve_phase(shape, parse_phase(phase_name))
     model = build_model(shape_name, device)
     x = shape.model.inputs(model, [phase], device, seed=0)[phase.name]
+    if cache and shape.model is not CAUSAL_LM:
+        raise SystemExit(f"--cache is for a causal LM shape; {shape_name} is not one")
 
     def forward():
         with torch.no_grad():
+            if cache:
+                from transformers import DynamicCache
+
+                return model(x, use_cache=True, past_key_values=DynamicCache()).logits
             return shape.model.forward(model, x)
 
     return phase, model, forward
@@ -167,6 +179,9 @@ def arguments(doc: str, log: str) -> argparse.ArgumentParser:
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", default=None, help=f"folder for {log} (else stdout only)")
+    parser.add_argument("--cache", action="store_true",
+                        help="a causal LM's forward with a fresh KV cache (no host synchronization in "
+                             "transformers' mask code) instead of the bench's use_cache=False")
     return parser
 
 
@@ -176,10 +191,11 @@ def main() -> int:
     args = parser.parse_args()
 
     device = torch.device(args.device)
-    phase, model, forward = build(args.shape, args.phase, device)
+    phase, model, forward = build(args.shape, args.phase, device, args.cache)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     lines = [f"# {Path(__file__).name} --shape {args.shape} --phase {args.phase} --budget {args.budget} "
-             f"--strategy {args.strategy} on {name}, torch {torch.__version__}"]
+             f"--strategy {args.strategy}{' --cache' if args.cache else ''} on {name}, "
+             f"torch {torch.__version__}"]
 
     def measure(label: str) -> None:
         host, loop = timed(forward, device, args.reps)

@@ -5,6 +5,7 @@
 # Parts: verify | verify-short | plan | llama-ws | llama-uva | llama-peers | qwen-ws | qwen-peers | mixtral-ws
 #        | mixtral-peers | qwen-b64 | mixtral-b64 | qwen-diffusers | mixtral-diffusers | qwen-uva
 #        | mixtral-uva | llama-uva-b64 | llama-50 | mixtral-routed | llama-loop | diag-host
+#        | diag-host-cache
 # MAX_SECONDS overrides a part's time budget (to share a call with another part).
 # Each writes its JSON and log under $OUT; copy them to benchmarks/results/ and run
 # `weightstream bench --report ...` (benchmarks/README.md) to regenerate docs/benchmarks.md.
@@ -95,6 +96,12 @@ mixtral-routed)  # auto after the cost model learned routed experts: zero copy a
 diag-host)  # session 31's open question: why eager decode at 97% is 2.2-2.6x slower than resident eager
     # (host enqueue ms against back-to-back ms per forward, blocking runtime calls, top CPU ops; then the launch probe): ~1 minute
     python3 benchmarks/diag_eager_host.py --shape llama-3-8b --budget 0.97 --out "$OUT" 2>&1 | tail -60 ;;
+diag-host-cache)  # session 33's lead: the bench's cache-less forward synchronizes the host once per forward
+    # (transformers' packed-sequence check); the same diagnosis with a fresh KV cache per forward (no such
+    # synchronization), and each engine call's host time with it: about 1.5 minutes
+    python3 benchmarks/diag_eager_host.py --shape llama-3-8b --budget 0.97 --cache --out "$OUT/cache" 2>&1 | tail -60
+    python3 benchmarks/diag_host_sync.py --cache --out "$OUT/cache" 2>&1 | tail -12
+    python3 benchmarks/diag_host_sync.py --out "$OUT" 2>&1 | tail -12 ;;
 *)
     echo "unknown part $1" >&2
     exit 2 ;;

@@ -31,3 +31,27 @@ def test_diag_eager_host_reports_resident_and_offloaded(tmp_path):
     assert re.search(r"^resident: host [\d.]+ ms to enqueue", log, re.M)
     assert re.search(r"^offloaded: stream, \d+ groups", log, re.M)
     assert log.count("blocking runtime calls:") == 2
+
+
+def test_the_cache_forward_skips_transformers_packed_sequence_check(monkeypatch):
+    """`--cache` exists to drop the one host synchronization per forward that transformers' mask code
+    runs for the bench's cache-less forward (found on the H100 in session 33): the check that holds it
+    runs without the cache and not with it, and both forwards give the same next-token logits."""
+    import torch
+    import transformers.masking_utils as masking
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from diag_eager_host import build
+
+    calls = []
+    check = masking.find_packed_sequence_indices
+    monkeypatch.setattr(masking, "find_packed_sequence_indices",
+                        lambda *a, **k: calls.append(1) or check(*a, **k))
+    device = torch.device("cpu")
+    _, _, plain = build("tiny", "decode-b1", device)
+    _, _, cached = build("tiny", "decode-b1", device, cache=True)
+    a = plain()
+    assert len(calls) == 1
+    b = cached()
+    assert len(calls) == 1
+    torch.testing.assert_close(a, b)  # two attention paths (no cache, empty cache): not bit for bit
