@@ -23,12 +23,43 @@ from .probe import MachineProfile, load_profile
 from .sizes import format_size, parse_size
 from .streamed import _blocked_apply
 
+# diffusers' group offloading registers these hooks (diffusers/hooks/group_offloading.py)
+_DIFFUSERS_OFFLOAD_HOOKS = ("group_offloading", "lazy_prefetch_group_offloading", "layer_execution_tracker")
+
+
+def foreign_offloading(model: nn.Module) -> str | None:
+    """What another offloader left on `model`, as an error message naming the first module it is on and
+    how to remove it, or None: diffusers' group offloading hooks, or accelerate's hooks (from
+    `enable_model_cpu_offload`, `enable_sequential_cpu_offload`, `cpu_offload` or a device map that
+    offloads or spans devices). Either moves the same weights (and inputs) in every forward, so the
+    two would fight over them."""
+    for path, m in model.named_modules():
+        where = f"module '{path}' ({type(m).__name__})" if path else f"the model ({type(m).__name__})"
+        registry = getattr(m, "_diffusers_hook", None)
+        names = [n for n in getattr(registry, "hooks", {}) if n in _DIFFUSERS_OFFLOAD_HOOKS]
+        if names:
+            return (f"{where} has diffusers' group offloading ({', '.join(names)} hooks, from "
+                    "enable_group_offload or apply_group_offloading), which moves the same weights: offload "
+                    "a model loaded without it (diffusers has no call that undoes it and puts the weights "
+                    "back as they were)")
+        if getattr(m, "_hf_hook", None) is not None:
+            return (f"{where} has accelerate hooks (from enable_model_cpu_offload, "
+                    "enable_sequential_cpu_offload, accelerate's cpu_offload or dispatch_model, or a "
+                    "device_map that offloads or spans devices), which move weights and inputs in every "
+                    "forward: remove them first (`pipe.remove_all_hooks()` for a pipeline, or "
+                    "`accelerate.hooks.remove_hook_from_module(model, recurse=True)`), or load the model "
+                    "onto one device without offloading")
+    return None
+
 
 def _check_model(model: nn.Module, entries: list[Entry], allow_meta: bool) -> None:
     if any(getattr(m.__dict__.get("_apply"), "__func__", None) is _blocked_apply for m in model.modules()):
         raise OffloadStateError(
             "this model (or a submodule) is already offloaded: call handle.restore() before offloading again"
         )
+    foreign = foreign_offloading(model)
+    if foreign is not None:
+        raise OffloadStateError(f"weightstream cannot offload a model another offloader manages: {foreign}")
     for entry in entries:
         site = entry.sites[0]
         if entry.tensor.is_meta and not allow_meta:

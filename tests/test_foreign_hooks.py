@@ -1,0 +1,77 @@
+"""A model that another offloader manages is refused with what to do, not offloaded into a fight over
+its weights: diffusers' group offloading and accelerate's hooks (what `enable_model_cpu_offload` and
+`enable_sequential_cpu_offload` install). Found in session 33: a pipeline whose transformer had group
+offloading was offloaded without a word and its generation then failed deep inside diffusers' hooks."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import weight_bytes
+from model_zoo import ZOO, call, same
+
+import weightstream as ws
+from weightstream.errors import OffloadStateError
+
+
+def tiny_flux():
+    model, inputs = ZOO["flux"]()
+    return model.eval().requires_grad_(False), inputs
+
+
+@pytest.mark.parametrize("offload_type", ["block_level", "leaf_level"])
+def test_diffusers_group_offloading_is_refused_naming_where_it_is(offload_type):
+    """Refused, naming the module the hooks are on (block level: the model; leaf level: its first leaf),
+    and nothing offloaded: the model still runs under diffusers' hooks as before."""
+    from diffusers.hooks import apply_group_offloading
+
+    ref, inputs = tiny_flux()
+    model = copy.deepcopy(ref)
+    cpu = torch.device("cpu")
+    apply_group_offloading(model, onload_device=cpu, offload_device=cpu, offload_type=offload_type,
+                           **({"num_blocks_per_group": 1} if offload_type == "block_level" else {}))
+    with pytest.raises(OffloadStateError, match="diffusers' group offloading") as raised:
+        ws.offload(model, gpu_memory=weight_bytes(ref) // 2, device="cpu")
+    where = "the model (FluxTransformer2DModel)" if offload_type == "block_level" else "module '"
+    assert where in str(raised.value)
+    assert same(call(model, inputs), call(ref, inputs))
+
+
+@pytest.mark.parametrize("how", ["cpu_offload", "cpu_offload_with_hook"])
+def test_accelerate_hooks_are_refused_with_how_to_remove_them(how):
+    import accelerate
+    from accelerate.hooks import remove_hook_from_module
+
+    ref, inputs = tiny_flux()
+    model = copy.deepcopy(ref)
+    cpu = torch.device("cpu")
+    if how == "cpu_offload":  # enable_sequential_cpu_offload's: every leaf's weights moved per forward
+        accelerate.cpu_offload(model, execution_device=cpu)
+    else:  # enable_model_cpu_offload's: the whole model moved to the device when called
+        accelerate.cpu_offload_with_hook(model, execution_device=cpu)
+    with pytest.raises(OffloadStateError, match="accelerate hooks") as raised:
+        ws.offload(model, gpu_memory=weight_bytes(ref) // 2, device="cpu")
+    assert "remove_hook_from_module(model, recurse=True)" in str(raised.value)
+    if how == "cpu_offload_with_hook":  # its weights never left the model: removing the hook is enough
+        remove_hook_from_module(model, recurse=True)
+        ws.offload(model, gpu_memory=weight_bytes(ref) // 2, device="cpu")
+        assert same(call(model, inputs), call(ref, inputs))
+
+
+def test_a_pipeline_names_the_component_another_offloader_manages():
+    """`ws.offload(pipe)` says which component: the error a diffusers user gets after
+    `pipe.transformer.enable_group_offload(...)`."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+    from flux_offload import build_pipeline
+
+    pipe = build_pipeline(True, device="cpu")
+    cpu = torch.device("cpu")
+    pipe.transformer.enable_group_offload(onload_device=cpu, offload_device=cpu, offload_type="block_level",
+                                          num_blocks_per_group=1)
+    with pytest.raises(OffloadStateError, match=r"^pipe\.transformer: .*group offloading"):
+        ws.offload(pipe, gpu_memory="1MB", device="cpu")
