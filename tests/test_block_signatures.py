@@ -122,3 +122,73 @@ def test_compiled_block_signatures_are_exact_without_graph_breaks(signature):
             assert equal(cmodel(args, kwargs), cref(args, kwargs))
     assert not torch._dynamo.utils.counters["graph_break"]
     assert handle.stats.misses == 0
+
+
+class CachingBlock(nn.Module):
+    """Mutates the containers it is called with, as Wan's VAE blocks do with their causal-conv cache
+    (`feat_cache[idx] = ...; feat_idx[0] += 1`): reads the cached tensor at the shared index, stores a
+    new one there, advances the index, and records its output in a dict the caller passed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(DIM, DIM)
+
+    def forward(self, x, cache: list, idx: list, seen: dict):
+        i = idx[0]
+        if cache[i] is not None:
+            x = x + cache[i]
+        y = torch.tanh(self.fc(x))
+        cache[i] = y * 0.5
+        idx[0] = i + 1
+        seen[f"block{i}"] = y
+        return y
+
+
+class CachingChain(nn.Module):
+    def __init__(self, n_blocks: int = 4) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(CachingBlock() for _ in range(n_blocks))
+
+    def forward(self, x, cache: list, seen: dict):
+        idx = [0]
+        for layer in self.layers:
+            x = layer(x, cache, idx, seen)
+        return x, idx[0]
+
+
+def caching_twin(n_slots: int):
+    torch.manual_seed(0)
+    ref = CachingChain().eval().requires_grad_(False)
+    model = copy.deepcopy(ref)
+    cost = prepare(model, gpu_memory=2**40, device="cpu").cost
+    placement = placement_of(cost, tuple(range(4)), n_slots)
+    ws.offload(model, gpu_memory=placement.gpu_bytes, device="cpu", placement=placement)
+    return ref, model
+
+
+def run_caching(model, calls: int = 3):
+    """`calls` forwards sharing one cache (as a VAE decodes frame after frame): each output, and the
+    cache and the dict of what each block saw after the last."""
+    cache, seen, outs = [None] * 4, {}, []
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for _ in range(calls):
+            outs.append(model(torch.randn(2, DIM, generator=gen), cache, seen))
+    return outs, cache, seen
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("n_slots", [1, 2])
+def test_blocks_that_mutate_the_containers_they_are_given_are_exact(n_slots, compiled):
+    """The block must get the caller's own list and dict, not rebuilt copies: the Wan VAE's blocks
+    update a cache list in place, and a decode with the update lost fails (session 33)."""
+    ref, model = caching_twin(n_slots)
+    if compiled:
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        ref, model = torch.compile(ref, fullgraph=True), torch.compile(model, fullgraph=True)
+    (outs, cache, seen), (routs, rcache, rseen) = run_caching(model), run_caching(ref)
+    assert equal(outs, routs) and equal(cache, rcache)
+    assert seen.keys() == rseen.keys() and equal(list(seen.values()), list(rseen.values()))
+    if compiled:
+        assert not torch._dynamo.utils.counters["graph_break"]

@@ -15,11 +15,45 @@ from . import ops
 from .errors import OffloadStateError, WeightstreamError
 
 
-def _tensor_leaves(tree) -> tuple[list, object, list[int]]:
-    """Flatten `tree` (tensors nested in tuples, lists, dicts, dataclasses registered with pytree);
-    returns the leaves, the structure and the positions of the tensor leaves."""
-    leaves, spec = pytree.tree_flatten(tree)
-    return leaves, spec, [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+def _tensors(node, out: list) -> None:
+    """Append every tensor in `node` (nested in lists, tuples, dicts and the other containers pytree
+    knows: dataclasses, named tuples, model outputs) to `out`, in the order `_refill` puts them back."""
+    kind = type(node)
+    if kind is list or kind is tuple:
+        for item in node:
+            _tensors(item, out)
+    elif kind is dict:
+        for item in node.values():
+            _tensors(item, out)
+    elif isinstance(node, torch.Tensor):
+        out.append(node)
+    else:
+        out.extend(leaf for leaf in pytree.tree_leaves(node) if isinstance(leaf, torch.Tensor))
+
+
+def _refill(node, new):
+    """`node` with each of its tensors replaced by the next of iterator `new` (in `_tensors`' order).
+    Plain lists and dicts are filled IN PLACE and returned themselves: a block may mutate a container it
+    is called with (Wan's VAE blocks update a cache list and an index list), and that must reach its
+    caller as in the resident model. Tuples and other containers are rebuilt."""
+    kind = type(node)
+    if kind is list:
+        for i, item in enumerate(node):
+            node[i] = _refill(item, new)
+        return node
+    if kind is dict:
+        for key, item in node.items():
+            node[key] = _refill(item, new)
+        return node
+    if kind is tuple:
+        return tuple(_refill(item, new) for item in node)
+    if isinstance(node, torch.Tensor):
+        return next(new)
+    leaves, spec = pytree.tree_flatten(node)
+    if not any(isinstance(leaf, torch.Tensor) for leaf in leaves):
+        return node
+    return pytree.tree_unflatten([next(new) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves],
+                                 spec)
 
 
 # Whether an eager forward calls the engine straight (`ops.eager`); False sends it through the custom
@@ -35,19 +69,22 @@ def _traced(tensors: list[torch.Tensor]) -> bool:
 
 
 def _through(op, tree, engine_id: int, group: int):
-    """`tree` with every tensor in it replaced by what `op` returns for it (one call for all). Run
-    eagerly, the engine is called straight (`ops.eager`: no op dispatch, no copies)."""
-    leaves, spec, where = _tensor_leaves(tree)
-    if not where:
+    """`tree` with every tensor in it replaced by what `op` returns for it (one call for all), the
+    caller's lists and dicts kept (`_refill`). Run eagerly, the engine is called straight (`ops.eager`:
+    no op dispatch, no copies), and where it returns every tensor as it was, `tree` itself."""
+    tensors: list[torch.Tensor] = []
+    _tensors(tree, tensors)
+    if not tensors:
         return tree, False
-    tensors = [leaves[i] for i in where]
     if _traced(tensors):
         new = op(tensors, engine_id, group)
     else:
         new = ops.eager(op, tensors, engine_id, group)
-    for i, t in zip(where, new, strict=True):
-        leaves[i] = t
-    return pytree.tree_unflatten(leaves, spec), True
+        if all(a is b for a, b in zip(new, tensors, strict=True)):
+            return tree, True
+    if len(new) != len(tensors):
+        raise AssertionError("weightstream: a schedule op returned a different number of tensors")
+    return _refill(tree, iter(new)), True
 
 
 def _blocked_apply(self, fn, *args, **kwargs):
