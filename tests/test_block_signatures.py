@@ -239,3 +239,63 @@ def test_a_blocks_in_place_write_to_a_tensor_argument_reaches_the_caller(compile
         (out, acc), (rout, racc) = model(x), ref(x)
     assert torch.equal(out, rout)  # the outputs hold either way
     assert torch.equal(acc, racc)
+
+
+def _update_in_place(node, new):
+    """Write the next of `new` over every tensor in the lists and dicts of `node`, in place (tuples
+    are walked, not replaced): what a block that updates the containers it is given does."""
+    if isinstance(node, list):
+        for i, item in enumerate(node):
+            node[i] = next(new) if isinstance(item, torch.Tensor) else _update_in_place(item, new)
+    elif isinstance(node, dict):
+        for key, item in node.items():
+            node[key] = next(new) if isinstance(item, torch.Tensor) else _update_in_place(item, new)
+    elif isinstance(node, tuple):
+        for item in node:
+            if not isinstance(item, torch.Tensor):
+                _update_in_place(item, new)
+            else:
+                next(new)  # a tensor directly in a tuple cannot be replaced; skip its new value
+    return node
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(signature=signatures(), n_slots=st.integers(1, 2))
+def test_any_container_a_block_updates_in_place_reaches_the_caller(signature, n_slots):
+    """Over drawn signatures: each block writes its results into whichever lists and dicts (nested in
+    tuples, lists, dicts) it is called with; after the forward the caller's containers hold what the
+    resident model's hold, bit for bit."""
+    n = pytree.tree_leaves(signature).count(TENSOR)
+    torch.manual_seed(0)
+
+    class Updating(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(UpdatingBlock(n) for _ in range(4))
+
+        def forward(self, args, kwargs):
+            for layer in self.layers:
+                layer(*args, **kwargs)
+            return args[0] if args else next(iter(kwargs.values()))
+
+    ref = Updating().eval().requires_grad_(False)
+    model = copy.deepcopy(ref)
+    cost = prepare(model, gpu_memory=2**40, device="cpu").cost
+    placement = placement_of(cost, tuple(range(4)), n_slots)
+    ws.offload(model, gpu_memory=placement.gpu_bytes, device="cpu", placement=placement)
+    with torch.no_grad():
+        mine, theirs = materialize(signature, 0), materialize(signature, 0)
+        model(*mine)
+        ref(*theirs)
+    assert equal(mine, theirs)
+
+
+class UpdatingBlock(AnyBlock):
+    """Computes as AnyBlock, then writes each updated tensor over its input in the caller's lists and
+    dicts; returns one tensor (so the release has something to order)."""
+
+    def forward(self, *args, **kwargs):
+        new_args, new_kwargs = super().forward(*args, **kwargs)
+        flat = [leaf for leaf in pytree.tree_leaves((new_args, new_kwargs)) if isinstance(leaf, torch.Tensor)]
+        _update_in_place((args, kwargs), iter(flat))
+        return flat[0]
