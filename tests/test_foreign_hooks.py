@@ -75,3 +75,37 @@ def test_a_pipeline_names_the_component_another_offloader_manages():
                                           num_blocks_per_group=1)
     with pytest.raises(OffloadStateError, match=r"^pipe\.transformer: .*group offloading"):
         ws.offload(pipe, gpu_memory="1MB", device="cpu")
+
+
+def test_a_block_whose_forward_is_replaced_on_the_module_is_refused():
+    """An instance-level `forward` (diffusers' caching hooks, or code assigning it) calls the block's
+    class forward and would bypass the streaming forward: found in session 33, such a Flux model
+    offloaded silently gave wrong outputs (its blocks computed from whatever the slots held)."""
+    from diffusers.hooks import FirstBlockCacheConfig, apply_first_block_cache
+
+    ref, inputs = tiny_flux()
+    cached = copy.deepcopy(ref)
+    apply_first_block_cache(cached, FirstBlockCacheConfig(threshold=0.0))
+    with pytest.raises(OffloadStateError, match=r"block 'transformer_blocks\.0'.*diffusers hooks \(fbc"):
+        ws.offload(cached, gpu_memory=weight_bytes(ref) // 2, device="cpu")
+
+    assigned = copy.deepcopy(ref)
+    block = assigned.single_transformer_blocks[1]
+    original = block.forward
+    block.forward = lambda *args, **kwargs: original(*args, **kwargs)
+    with pytest.raises(OffloadStateError, match=r"block 'single_transformer_blocks\.1'.*assignment"):
+        ws.offload(assigned, gpu_memory=weight_bytes(ref) // 2, device="cpu")
+
+
+def test_a_replaced_forward_outside_the_blocks_is_kept_and_exact():
+    """Only the blocks' own forward matters: one replaced on a module inside a block, or on the model,
+    still runs (the block's streaming forward calls it) and the output is exact."""
+    ref, inputs = tiny_flux()
+    model = copy.deepcopy(ref)
+    calls = []
+    for module in (model.transformer_blocks[0].ff, model.norm_out):
+        original = module.forward
+        module.forward = lambda *args, _f=original, **kwargs: calls.append(1) or _f(*args, **kwargs)
+    handle = ws.offload(model, gpu_memory=weight_bytes(ref) // 2, device="cpu", strategy="stream")
+    assert 0 in handle.placement.streamed  # the block holding the replaced `ff` streams
+    assert same(call(model, inputs), call(ref, inputs)) and len(calls) == 2

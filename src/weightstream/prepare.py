@@ -52,6 +52,24 @@ def foreign_offloading(model: nn.Module) -> str | None:
     return None
 
 
+def replaced_forward(blocks) -> str | None:
+    """An error message naming the first of `blocks` (`blocks.Block`s) whose `forward` is replaced on
+    the module itself (an instance attribute: diffusers' hooks such as apply_first_block_cache or
+    FasterCache, or code that assigns `module.forward`), or None. Such a forward calls the block's
+    original class forward and would bypass the streaming forward that weightstream's class swap
+    installs: the block would compute from whatever its staging slot holds."""
+    for block in blocks:
+        if "forward" in vars(block.module):
+            registry = getattr(block.module, "_diffusers_hook", None)
+            hooks = list(getattr(registry, "hooks", {}))
+            by = f" by diffusers hooks ({', '.join(hooks)})" if hooks else ""
+            return (f"block '{block.name}' ({type(block.module).__name__}) has its forward replaced on the "
+                    f"module itself{by}, which would bypass the forward that makes a streamed block wait "
+                    "for its weights: offload a model without it (remove the hooks, or the assignment to "
+                    "`.forward`)")
+    return None
+
+
 def _check_model(model: nn.Module, entries: list[Entry], allow_meta: bool) -> None:
     if any(getattr(m.__dict__.get("_apply"), "__func__", None) is _blocked_apply for m in model.modules()):
         raise OffloadStateError(
@@ -202,6 +220,9 @@ def prepare(
     block_modules = [b.module for b in found]
     entries = _collect(model, block_modules)
     _check_model(model, entries, allow_meta)
+    replaced = replaced_forward(found)
+    if replaced is not None:
+        raise OffloadStateError(f"weightstream cannot stream this model's blocks: {replaced}")
 
     per_block: list[list[Entry]] = [[] for _ in found]
     for entry in entries:
