@@ -109,3 +109,13 @@ def test_a_replaced_forward_outside_the_blocks_is_kept_and_exact():
     handle = ws.offload(model, gpu_memory=weight_bytes(ref) // 2, device="cpu", strategy="stream")
     assert 0 in handle.placement.streamed  # the block holding the replaced `ff` streams
     assert same(call(model, inputs), call(ref, inputs)) and len(calls) == 2
+
+
+def test_diffusers_layerwise_casting_is_refused():
+    """enable_layerwise_casting keeps the weights in a storage dtype and recasts them in every forward
+    (`module.to`), which would rewrite the streamed weights: refused when offloading, naming it."""
+    ref, inputs = tiny_flux()
+    model = copy.deepcopy(ref)
+    model.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=torch.float32)
+    with pytest.raises(OffloadStateError, match=r"layerwise casting .*\(layerwise_casting hooks\)"):
+        ws.offload(model, gpu_memory=weight_bytes(ref) // 2, device="cpu")

@@ -23,25 +23,31 @@ from .probe import MachineProfile, load_profile
 from .sizes import format_size, parse_size
 from .streamed import _blocked_apply
 
-# diffusers' group offloading registers these hooks (diffusers/hooks/group_offloading.py)
-_DIFFUSERS_OFFLOAD_HOOKS = ("group_offloading", "lazy_prefetch_group_offloading", "layer_execution_tracker")
+# diffusers' hooks that move or recast a module's weights in every forward, by the names diffusers
+# registers them under (diffusers/hooks/group_offloading.py, layerwise_casting.py), and what set them
+_GROUP_OFFLOADING = ("group_offloading", "lazy_prefetch_group_offloading", "layer_execution_tracker")
+_DIFFUSERS_WEIGHT_HOOKS = {
+    **{name: "diffusers' group offloading (enable_group_offload or apply_group_offloading), which moves "
+             "the same weights: offload a model loaded without it (diffusers has no call that undoes it "
+             "and puts the weights back as they were)" for name in _GROUP_OFFLOADING},
+    "layerwise_casting": "diffusers' layerwise casting (enable_layerwise_casting or "
+                         "apply_layerwise_casting), which recasts the weights in every forward: offload "
+                         "a model loaded without it",
+}
 
 
 def foreign_offloading(model: nn.Module) -> str | None:
     """What another offloader left on `model`, as an error message naming the first module it is on and
-    how to remove it, or None: diffusers' group offloading hooks, or accelerate's hooks (from
-    `enable_model_cpu_offload`, `enable_sequential_cpu_offload`, `cpu_offload` or a device map that
-    offloads or spans devices). Either moves the same weights (and inputs) in every forward, so the
-    two would fight over them."""
+    how to remove it, or None: diffusers' hooks that move or recast weights (group offloading,
+    layerwise casting), or accelerate's hooks (from `enable_model_cpu_offload`,
+    `enable_sequential_cpu_offload`, `cpu_offload` or a device map that offloads or spans devices).
+    Either moves or rewrites the same weights in every forward, so the two would fight over them."""
     for path, m in model.named_modules():
         where = f"module '{path}' ({type(m).__name__})" if path else f"the model ({type(m).__name__})"
         registry = getattr(m, "_diffusers_hook", None)
-        names = [n for n in getattr(registry, "hooks", {}) if n in _DIFFUSERS_OFFLOAD_HOOKS]
+        names = [n for n in getattr(registry, "hooks", {}) if n in _DIFFUSERS_WEIGHT_HOOKS]
         if names:
-            return (f"{where} has diffusers' group offloading ({', '.join(names)} hooks, from "
-                    "enable_group_offload or apply_group_offloading), which moves the same weights: offload "
-                    "a model loaded without it (diffusers has no call that undoes it and puts the weights "
-                    "back as they were)")
+            return f"{where} has {_DIFFUSERS_WEIGHT_HOOKS[names[0]]} ({', '.join(names)} hooks)"
         if getattr(m, "_hf_hook", None) is not None:
             return (f"{where} has accelerate hooks (from enable_model_cpu_offload, "
                     "enable_sequential_cpu_offload, accelerate's cpu_offload or dispatch_model, or a "
