@@ -36,6 +36,11 @@ _DIFFUSERS_WEIGHT_HOOKS = {
 }
 
 
+def _diffusers_hooks(module: nn.Module) -> list[str]:
+    """The names of the diffusers hooks registered on `module` (its `HookRegistry`), in order."""
+    return list(getattr(getattr(module, "_diffusers_hook", None), "hooks", {}))
+
+
 def foreign_offloading(model: nn.Module) -> str | None:
     """What another offloader left on `model`, as an error message naming the first module it is on and
     how to remove it, or None: diffusers' hooks that move or recast weights (group offloading,
@@ -44,8 +49,7 @@ def foreign_offloading(model: nn.Module) -> str | None:
     Either moves or rewrites the same weights in every forward, so the two would fight over them."""
     for path, m in model.named_modules():
         where = f"module '{path}' ({type(m).__name__})" if path else f"the model ({type(m).__name__})"
-        registry = getattr(m, "_diffusers_hook", None)
-        names = [n for n in getattr(registry, "hooks", {}) if n in _DIFFUSERS_WEIGHT_HOOKS]
+        names = [n for n in _diffusers_hooks(m) if n in _DIFFUSERS_WEIGHT_HOOKS]
         if names:
             return f"{where} has {_DIFFUSERS_WEIGHT_HOOKS[names[0]]} ({', '.join(names)} hooks)"
         if getattr(m, "_hf_hook", None) is not None:
@@ -66,8 +70,7 @@ def replaced_forward(blocks) -> str | None:
     installs: the block would compute from whatever its staging slot holds."""
     for block in blocks:
         if "forward" in vars(block.module):
-            registry = getattr(block.module, "_diffusers_hook", None)
-            hooks = list(getattr(registry, "hooks", {}))
+            hooks = _diffusers_hooks(block.module)
             by = f" by diffusers hooks ({', '.join(hooks)})" if hooks else ""
             return (f"block '{block.name}' ({type(block.module).__name__}) has its forward replaced on the "
                     f"module itself{by}, which would bypass the forward that makes a streamed block wait "
@@ -76,7 +79,10 @@ def replaced_forward(blocks) -> str | None:
     return None
 
 
-def _check_model(model: nn.Module, entries: list[Entry], allow_meta: bool) -> None:
+def _check_model(model: nn.Module, blocks, entries: list[Entry], allow_meta: bool) -> None:
+    """Refuse a model weightstream cannot offload as it is: offloaded already, managed by another
+    offloader, a repeated block (of `blocks`) whose forward is replaced on the module, or (unless
+    `allow_meta`) weights on the meta device."""
     if any(getattr(m.__dict__.get("_apply"), "__func__", None) is _blocked_apply for m in model.modules()):
         raise OffloadStateError(
             "this model (or a submodule) is already offloaded: call handle.restore() before offloading again"
@@ -84,6 +90,9 @@ def _check_model(model: nn.Module, entries: list[Entry], allow_meta: bool) -> No
     foreign = foreign_offloading(model)
     if foreign is not None:
         raise OffloadStateError(f"weightstream cannot offload a model another offloader manages: {foreign}")
+    replaced = replaced_forward(blocks)
+    if replaced is not None:
+        raise OffloadStateError(f"weightstream cannot stream this model's blocks: {replaced}")
     for entry in entries:
         site = entry.sites[0]
         if entry.tensor.is_meta and not allow_meta:
@@ -225,10 +234,7 @@ def prepare(
     found = find_blocks(model, blocks)
     block_modules = [b.module for b in found]
     entries = _collect(model, block_modules)
-    _check_model(model, entries, allow_meta)
-    replaced = replaced_forward(found)
-    if replaced is not None:
-        raise OffloadStateError(f"weightstream cannot stream this model's blocks: {replaced}")
+    _check_model(model, found, entries, allow_meta)
 
     per_block: list[list[Entry]] = [[] for _ in found]
     for entry in entries:
