@@ -79,15 +79,20 @@ def materialize(signature, seed: int):
                            signature)
 
 
+def streamed_twin(ref: nn.Module, n_slots: int):
+    """A copy of `ref` (4 blocks, in eval mode) with every block streaming through `n_slots` slots, and
+    its handle."""
+    model = copy.deepcopy(ref)
+    cost = prepare(model, gpu_memory=2**40, device="cpu").cost
+    placement = placement_of(cost, tuple(range(4)), n_slots)
+    return model, ws.offload(model, gpu_memory=placement.gpu_bytes, device="cpu", placement=placement)
+
+
 def offloaded_twin(signature, n_slots: int):
     n = pytree.tree_leaves(signature).count(TENSOR)
     torch.manual_seed(0)
     ref = Chain(n).eval().requires_grad_(False)
-    model = copy.deepcopy(ref)
-    cost = prepare(model, gpu_memory=2**40, device="cpu").cost
-    placement = placement_of(cost, tuple(range(4)), n_slots)
-    handle = ws.offload(model, gpu_memory=placement.gpu_bytes, device="cpu", placement=placement)
-    return ref, model, handle
+    return ref, *streamed_twin(ref, n_slots)
 
 
 def equal(a, b) -> bool:
@@ -159,11 +164,7 @@ class CachingChain(nn.Module):
 def caching_twin(n_slots: int):
     torch.manual_seed(0)
     ref = CachingChain().eval().requires_grad_(False)
-    model = copy.deepcopy(ref)
-    cost = prepare(model, gpu_memory=2**40, device="cpu").cost
-    placement = placement_of(cost, tuple(range(4)), n_slots)
-    ws.offload(model, gpu_memory=placement.gpu_bytes, device="cpu", placement=placement)
-    return ref, model
+    return ref, streamed_twin(ref, n_slots)[0]
 
 
 def run_caching(model, calls: int = 3):
@@ -218,22 +219,16 @@ class AccumulatingChain(nn.Module):
         return x, acc
 
 
-@pytest.mark.parametrize("compiled", [
-    False,
-    pytest.param(True, marks=pytest.mark.xfail(strict=True, reason=(
-        "known (docs/exactness.md): compiled, a block computes on the wait op's copies of its tensors, "
-        "so its in-place write to one does not reach the caller"))),
-])
-def test_a_blocks_in_place_write_to_a_tensor_argument_reaches_the_caller(compiled):
+@pytest.mark.xfail(strict=True, reason=(
+    "known (docs/exactness.md): compiled, a block computes on the wait op's copies of its tensors, so "
+    "its in-place write to one does not reach the caller"))
+def test_a_compiled_blocks_in_place_write_to_a_tensor_argument_reaches_the_caller():
+    """Eagerly it does (test_offload.check_peek_model); compiled it does not yet: kept visible here."""
     torch.manual_seed(0)
     ref = AccumulatingChain().eval().requires_grad_(False)
-    model = copy.deepcopy(ref)
-    cost = prepare(model, gpu_memory=2**40, device="cpu").cost
-    placement = placement_of(cost, tuple(range(4)), 2)
-    ws.offload(model, gpu_memory=placement.gpu_bytes, device="cpu", placement=placement)
-    if compiled:
-        torch._dynamo.reset()
-        ref, model = torch.compile(ref, fullgraph=True), torch.compile(model, fullgraph=True)
+    model = streamed_twin(ref, 2)[0]
+    torch._dynamo.reset()
+    ref, model = torch.compile(ref, fullgraph=True), torch.compile(model, fullgraph=True)
     x = torch.randn(2, DIM)
     with torch.no_grad():
         (out, acc), (rout, racc) = model(x), ref(x)
@@ -259,37 +254,6 @@ def _update_in_place(node, new):
     return node
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(signature=signatures(), n_slots=st.integers(1, 2))
-def test_any_container_a_block_updates_in_place_reaches_the_caller(signature, n_slots):
-    """Over drawn signatures: each block writes its results into whichever lists and dicts (nested in
-    tuples, lists, dicts) it is called with; after the forward the caller's containers hold what the
-    resident model's hold, bit for bit."""
-    n = pytree.tree_leaves(signature).count(TENSOR)
-    torch.manual_seed(0)
-
-    class Updating(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.layers = nn.ModuleList(UpdatingBlock(n) for _ in range(4))
-
-        def forward(self, args, kwargs):
-            for layer in self.layers:
-                layer(*args, **kwargs)
-            return args[0] if args else next(iter(kwargs.values()))
-
-    ref = Updating().eval().requires_grad_(False)
-    model = copy.deepcopy(ref)
-    cost = prepare(model, gpu_memory=2**40, device="cpu").cost
-    placement = placement_of(cost, tuple(range(4)), n_slots)
-    ws.offload(model, gpu_memory=placement.gpu_bytes, device="cpu", placement=placement)
-    with torch.no_grad():
-        mine, theirs = materialize(signature, 0), materialize(signature, 0)
-        model(*mine)
-        ref(*theirs)
-    assert equal(mine, theirs)
-
-
 class UpdatingBlock(AnyBlock):
     """Computes as AnyBlock, then writes each updated tensor over its input in the caller's lists and
     dicts; returns one tensor (so the release has something to order)."""
@@ -299,3 +263,30 @@ class UpdatingBlock(AnyBlock):
         flat = [leaf for leaf in pytree.tree_leaves((new_args, new_kwargs)) if isinstance(leaf, torch.Tensor)]
         _update_in_place((args, kwargs), iter(flat))
         return flat[0]
+
+
+class Updating(nn.Module):
+    def __init__(self, n_tensors: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(UpdatingBlock(n_tensors) for _ in range(4))
+
+    def forward(self, args, kwargs):
+        for layer in self.layers:
+            layer(*args, **kwargs)
+        return args[0] if args else next(iter(kwargs.values()))
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(signature=signatures(), n_slots=st.integers(1, 2))
+def test_any_container_a_block_updates_in_place_reaches_the_caller(signature, n_slots):
+    """Over drawn signatures: each block writes its results into whichever lists and dicts (nested in
+    tuples, lists, dicts) it is called with; after the forward the caller's containers hold what the
+    resident model's hold, bit for bit."""
+    torch.manual_seed(0)
+    ref = Updating(pytree.tree_leaves(signature).count(TENSOR)).eval().requires_grad_(False)
+    model = streamed_twin(ref, n_slots)[0]
+    with torch.no_grad():
+        mine, theirs = materialize(signature, 0), materialize(signature, 0)
+        model(*mine)
+        ref(*theirs)
+    assert equal(mine, theirs)

@@ -63,13 +63,9 @@ def test_accelerate_hooks_are_refused_with_how_to_remove_them(how):
 def test_a_pipeline_names_the_component_another_offloader_manages():
     """`ws.offload(pipe)` says which component: the error a diffusers user gets after
     `pipe.transformer.enable_group_offload(...)`."""
-    import sys
-    from pathlib import Path
+    from test_pipeline import tiny_flux_pipeline
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
-    from flux_offload import build_pipeline
-
-    pipe = build_pipeline(True, device="cpu")
+    pipe = tiny_flux_pipeline()
     cpu = torch.device("cpu")
     pipe.transformer.enable_group_offload(onload_device=cpu, offload_device=cpu, offload_type="block_level",
                                           num_blocks_per_group=1)
