@@ -13,19 +13,16 @@ copy and compute time before it, not tens of microseconds.
 from __future__ import annotations
 
 import statistics
-import sys
 import time
 import warnings
 from collections import defaultdict
 from pathlib import Path
 
 import torch
+from diag_eager_host import arguments, build, emit  # the script's folder is on sys.path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from diag_eager_host import arguments, build, emit  # noqa: E402
-
-import weightstream as ws  # noqa: E402
-from weightstream.bench.shapes import shape_weight_bytes  # noqa: E402
+import weightstream as ws
+from weightstream.bench.shapes import shape_weight_bytes
 
 
 def main() -> int:
