@@ -5,7 +5,7 @@
 # Parts: verify | verify-short | plan | llama-ws | llama-uva | llama-peers | qwen-ws | qwen-peers | mixtral-ws
 #        | mixtral-peers | qwen-b64 | mixtral-b64 | qwen-diffusers | mixtral-diffusers | qwen-uva
 #        | mixtral-uva | llama-uva-b64 | llama-50 | mixtral-routed | llama-loop | diag-host
-#        | diag-host-cache
+#        | diag-host-cache | diag-profiler
 # MAX_SECONDS overrides a part's time budget (to share a call with another part).
 # Each writes its JSON and log under $OUT; copy them to benchmarks/results/ and run
 # `weightstream bench --report ...` (benchmarks/README.md) to regenerate docs/benchmarks.md.
@@ -102,6 +102,14 @@ diag-host-cache)  # session 33's lead: the bench's cache-less forward synchroniz
     python3 benchmarks/diag_eager_host.py --shape llama-3-8b --budget 0.97 --cache --out "$OUT/cache" 2>&1 | tail -60
     python3 benchmarks/diag_host_sync.py --cache --out "$OUT/cache" 2>&1 | tail -12
     python3 benchmarks/diag_host_sync.py --out "$OUT" 2>&1 | tail -12 ;;
+diag-profiler)  # session 34's lead: does a profiler session (the bench's timelines, diag_eager_host's
+    # profile) slow every later eager forward's host side (kineto keeps CUPTI attached unless
+    # TEARDOWN_CUPTI=1)? With and without it, then the 97% decode bench with timelines and graph
+    # replays: about 2 minutes (results/h100_session34: not the cause of the slowdown)
+    python3 benchmarks/diag_profiler_residue.py --out "$OUT" 2>&1 | tail -6
+    TEARDOWN_CUPTI=1 python3 benchmarks/diag_profiler_residue.py --out "$OUT/teardown" 2>&1 | tail -6
+    bench llama-3-8b_residue ${MAX_SECONDS:-150} --shape llama-3-8b --budgets 0.97 --phases decode-b1 \
+        --modes eager,graph-eager --methods resident,ws-auto,ws-stream --reps 10 --method-seconds 60 ;;
 *)
     echo "unknown part $1" >&2
     exit 2 ;;

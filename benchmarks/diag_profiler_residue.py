@@ -1,0 +1,67 @@
+"""Does a torch.profiler session slow every later eager forward of the process down?
+
+Session 34's lead on the H100's slow eager decode at 97% (session 31: 51-60 ms offloaded against
+23.0 ms resident; `docs/planner.md`): `diag_eager_host.py` profiles the resident forward before it
+times the offloaded one, and every op of the offloaded forward then took 15-25% more host time, while
+`diag_host_sync.py` (no profiler) timed the same offloaded forward at about the resident's host time.
+Kineto leaves CUPTI attached after a profiler session unless the environment variable TEARDOWN_CUPTI
+is "1", and CUPTI's callbacks then cost every CUDA runtime call host time. The suite's bench did the
+same: a timeline of the resident forward is profiled right after it is timed, before the methods after it.
+
+This times the resident and the offloaded eager forward (host ms to enqueue from an idle GPU, ms per
+forward back to back; `diag_eager_host.timed`), runs one profiler session (CPU and CUDA activities),
+and times both again in the same order. Run it with and without TEARDOWN_CUPTI=1 in the environment.
+
+    PYTHONPATH=src python3 benchmarks/diag_profiler_residue.py --out $OUT
+    TEARDOWN_CUPTI=1 PYTHONPATH=src python3 benchmarks/diag_profiler_residue.py --out $OUT/teardown
+    (--device cpu: a smoke test of this script)
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from diag_eager_host import arguments, build, emit, timed  # the script's folder is on sys.path
+from torch.profiler import ProfilerActivity, profile
+
+import weightstream as ws
+from weightstream.bench.shapes import shape_weight_bytes
+
+
+def main() -> int:
+    args = arguments(__doc__, "diag_profiler_residue.log").parse_args()
+    device = torch.device(args.device)
+    phase, model, forward = build(args.shape, args.phase, device, args.cache)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    lines = [f"# {Path(__file__).name} --shape {args.shape} --phase {args.phase} --budget {args.budget} "
+             f"--strategy {args.strategy}{' --cache' if args.cache else ''} on {name}, torch "
+             f"{torch.__version__}, TEARDOWN_CUPTI={os.environ.get('TEARDOWN_CUPTI', '(unset)')}"]
+    budget = int(args.budget * shape_weight_bytes(args.shape))
+
+    def both(when: str) -> None:
+        host, loop = timed(forward, device, args.reps)
+        lines.append(f"{when}, resident: host {host:.2f} ms to enqueue, {loop:.2f} ms back to back")
+        handle = ws.offload(model, gpu_memory=budget, device=device, strategy=args.strategy,
+                            tokens=phase.batch * phase.seq)
+        host, loop = timed(forward, device, args.reps)
+        stats = handle.stats
+        lines.append(f"{when}, offloaded ({stats.placement_kind}, {stats.groups} groups): host {host:.2f} "
+                     f"ms to enqueue, {loop:.2f} ms back to back")
+        handle.restore()
+
+    both("before any profiler")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities):
+        forward()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    both("after one profiler session")
+    lines.append(f"(medians of {args.reps}; each measurement after two warm-up forwards)")
+    emit(lines, args.out, "diag_profiler_residue.log")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
