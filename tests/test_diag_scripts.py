@@ -33,6 +33,13 @@ def test_diag_eager_host_reports_resident_and_offloaded(tmp_path):
     assert log.count("blocking runtime calls:") == 2
 
 
+def test_diag_profiler_residue_times_both_forwards_before_and_after_a_profiler_session(tmp_path):
+    log = run("diag_profiler_residue.py", tmp_path)
+    for when in ("before any profiler", "after one profiler session"):
+        assert re.search(rf"^{when}, resident: host [\d.]+ ms to enqueue, [\d.]+ ms back to back", log, re.M)
+        assert re.search(rf"^{when}, offloaded \(stream, [1-9]\d* groups\): host [\d.]+ ms", log, re.M)
+
+
 def test_the_cache_forward_skips_transformers_packed_sequence_check(monkeypatch):
     """`--cache` exists to drop the one host synchronization per forward that transformers' mask code
     runs for the bench's cache-less forward (found on the H100 in session 33): the check that holds it
