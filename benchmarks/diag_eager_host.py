@@ -185,6 +185,14 @@ def arguments(doc: str, log: str) -> argparse.ArgumentParser:
     return parser
 
 
+def header(script: str, args: argparse.Namespace, device: torch.device) -> str:
+    """A report's first line: the script, the options `arguments` gave it, the device and torch."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return (f"# {Path(script).name} --shape {args.shape} --phase {args.phase} --budget {args.budget} "
+            f"--strategy {args.strategy}{' --cache' if args.cache else ''} on {name}, "
+            f"torch {torch.__version__}")
+
+
 def main() -> int:
     parser = arguments(__doc__, "diag_eager_host.log")
     parser.add_argument("--top", type=int, default=25)
@@ -192,10 +200,7 @@ def main() -> int:
 
     device = torch.device(args.device)
     phase, model, forward = build(args.shape, args.phase, device, args.cache)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    lines = [f"# {Path(__file__).name} --shape {args.shape} --phase {args.phase} --budget {args.budget} "
-             f"--strategy {args.strategy}{' --cache' if args.cache else ''} on {name}, "
-             f"torch {torch.__version__}"]
+    lines = [header(__file__, args, device)]
 
     def measure(label: str) -> None:
         host, loop = timed(forward, device, args.reps)

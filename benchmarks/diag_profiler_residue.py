@@ -20,10 +20,9 @@ and times both again in the same order. Run it with and without TEARDOWN_CUPTI=1
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import torch
-from diag_eager_host import arguments, build, emit, timed  # the script's folder is on sys.path
+from diag_eager_host import arguments, build, emit, header, timed  # the script's folder is on sys.path
 from torch.profiler import ProfilerActivity, profile
 
 import weightstream as ws
@@ -34,10 +33,8 @@ def main() -> int:
     args = arguments(__doc__, "diag_profiler_residue.log").parse_args()
     device = torch.device(args.device)
     phase, model, forward = build(args.shape, args.phase, device, args.cache)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    lines = [f"# {Path(__file__).name} --shape {args.shape} --phase {args.phase} --budget {args.budget} "
-             f"--strategy {args.strategy}{' --cache' if args.cache else ''} on {name}, torch "
-             f"{torch.__version__}, TEARDOWN_CUPTI={os.environ.get('TEARDOWN_CUPTI', '(unset)')}"]
+    teardown = os.environ.get("TEARDOWN_CUPTI", "(unset)")
+    lines = [f"{header(__file__, args, device)}, TEARDOWN_CUPTI={teardown}"]
     budget = int(args.budget * shape_weight_bytes(args.shape))
 
     def both(when: str) -> None:
