@@ -185,6 +185,13 @@ def arguments(doc: str, log: str) -> argparse.ArgumentParser:
     return parser
 
 
+def offload(model, phase, args: argparse.Namespace, device: torch.device):
+    """`model` offloaded as `arguments`' options say (budget as a fraction of the shape's weight bytes,
+    strategy), planned for the phase's tokens; returns the handle."""
+    return ws.offload(model, gpu_memory=int(args.budget * shape_weight_bytes(args.shape)), device=device,
+                      strategy=args.strategy, tokens=phase.batch * phase.seq)
+
+
 def header(script: str, args: argparse.Namespace, device: torch.device) -> str:
     """A report's first line: the script, the options `arguments` gave it, the device and torch."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -209,9 +216,7 @@ def main() -> int:
         lines.extend(profiled(forward, device, args.top))
 
     measure("resident")
-    budget = int(args.budget * shape_weight_bytes(args.shape))
-    handle = ws.offload(model, gpu_memory=budget, device=device, strategy=args.strategy,
-                        tokens=phase.batch * phase.seq)
+    handle = offload(model, phase, args, device)
     stats = handle.stats
     predicted = "-" if stats.predicted_ms is None else f"{stats.predicted_ms:.2f}"
     lines.append(f"offloaded: {stats.placement_kind}, {stats.groups} groups, {stats.slots} slots, "

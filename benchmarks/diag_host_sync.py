@@ -16,26 +16,19 @@ import statistics
 import time
 import warnings
 from collections import defaultdict
-from pathlib import Path
 
 import torch
-from diag_eager_host import arguments, build, emit  # the script's folder is on sys.path
-
-import weightstream as ws
-from weightstream.bench.shapes import shape_weight_bytes
+from diag_eager_host import arguments, build, emit, header, offload  # the script's folder is on sys.path
 
 
 def main() -> int:
     args = arguments(__doc__, "diag_host_sync.log").parse_args()
     device = torch.device(args.device)
     phase, model, forward = build(args.shape, args.phase, device, args.cache)
-    handle = ws.offload(model, gpu_memory=int(args.budget * shape_weight_bytes(args.shape)), device=device,
-                        tokens=phase.batch * phase.seq, strategy=args.strategy)
+    handle = offload(model, phase, args, device)
     stats = handle.stats
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    lines = [f"# {Path(__file__).name} --shape {args.shape} --budget {args.budget} on {name}, torch "
-             f"{torch.__version__}{' (--cache)' if args.cache else ''}: {stats.placement_kind}, "
-             f"{stats.groups} groups, {stats.slots} slots"]
+    lines = [f"{header(__file__, args, device)}: {stats.placement_kind}, {stats.groups} groups, "
+             f"{stats.slots} slots"]
     arena = handle._transfer.arena
     if stats.groups:
         lines.append(f"arena: {arena.nbytes / 2**20:.0f} MiB, pinned_bytes {arena.pinned_bytes}, "
