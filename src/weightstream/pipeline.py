@@ -49,6 +49,8 @@ def denoiser_tokens(model: nn.Module) -> int:
     """Tokens per forward to plan a denoiser for: its pipeline's default generation (DENOISER_TOKENS),
     else DEFAULT_TOKENS["denoiser"]."""
     return DENOISER_TOKENS.get(type(model).__name__, DEFAULT_TOKENS["denoiser"])
+
+
 _PIPE_ATTR = "_weightstream_pipeline_handle"
 
 
