@@ -59,6 +59,8 @@ class ModelGuards:
                 sites.setdefault(id(site.module), (site.module, []))[1].append((site.name, entry))
         for module, names in sites.values():
             self._hooks.append(module.register_state_dict_post_hook(self._state_dict_hook(names)))
+        # before any: the tensors the model rebound since its last forward are what it holds now
+        self._hooks.append(model.register_state_dict_pre_hook(lambda *args: self.handle.settle()))
         # the model's own hook runs after every submodule's: the decoded group is not kept afterwards
         self._hooks.append(model.register_state_dict_post_hook(lambda *args: self.forget_decoded()))
         for module in self.modules:
@@ -97,6 +99,10 @@ class ModelGuards:
             return entry.view_of(raw)
         return entry.view_of(self.handle._arena.region(g)[sl.offset : sl.offset + sl.nbytes])
 
+    def forget(self, tensor: torch.Tensor) -> None:
+        """`tensor` no longer streams (the model writes it, or rebound it): it is its own true value."""
+        self._true.pop(id(tensor), None)
+
     def forget_decoded(self) -> None:
         """Drop the host copy of the last compressed group decoded for `true_value` (kept while a
         state_dict or a parameters() walk reads that group's tensors one by one)."""
@@ -105,7 +111,7 @@ class ModelGuards:
     def _state_dict_hook(self, names):
         def hook(module, state_dict, prefix, local_metadata):
             for name, entry in names:
-                if prefix + name in state_dict:
+                if state_dict.get(prefix + name) is not None and _holds(module, name, entry.tensor):
                     state_dict[prefix + name] = self.true_value(entry.tensor)
         return hook
 
@@ -121,6 +127,11 @@ class ModelGuards:
             p.requires_grad_(True)
         for module, training in zip(self.modules, self.training, strict=True):
             module.training = training
+
+
+def _holds(module: nn.Module, name: str, tensor: torch.Tensor) -> bool:
+    """Whether `module.<name>` (a parameter or buffer) is still `tensor` (the model did not rebind it)."""
+    return module._parameters.get(name, module._buffers.get(name)) is tensor
 
 
 def live_parameters(module: nn.Module) -> list[nn.Parameter]:

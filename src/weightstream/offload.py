@@ -8,6 +8,8 @@ forward runs the two schedule ops around it. The model stays an ordinary `nn.Mod
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
 import types
 import warnings
@@ -20,7 +22,7 @@ from torch import nn
 from . import guards, ops, replay
 from .disk import DiskTier
 from .entries import _set_tensor
-from .errors import ArgumentError, OffloadStateError
+from .errors import ArgumentError, BudgetError, OffloadStateError
 from .host import HostArena
 from .plan import Placement
 from .prepare import Prepared, _plain, _resolve_device, final_places, prepare
@@ -29,6 +31,7 @@ from .schedule import Schedule
 from .sizes import format_size
 from .streamed import _blocked_apply, _install_schedule
 from .uva import uva_view
+from .watch import REBOUND, WRITTEN, TensorWatch, Watched, peft_layers
 from .wire import encode_groups, fill_arena, make_transfer
 
 if TYPE_CHECKING:
@@ -120,6 +123,7 @@ class OffloadHandle:
         slots: list[torch.Tensor],
         disk: DiskTier | None = None,
         pin: bool = True,
+        check: bool = False,
     ) -> None:
         self.model = prep.model
         self.device = prep.device
@@ -143,6 +147,12 @@ class OffloadHandle:
         self._owner: int | None = None  # thread id holding _lock
         self._streamed_modules: list[nn.Module] = []
         self._patched: list[nn.Module] = []
+        self._budget = prep.budget
+        self._state_bytes = 0  # bytes of streamed tensors the model writes, kept resident since
+        self._watch = TensorWatch(prep.groups)
+        self._peft = peft_layers(prep.model, {id(e.tensor) for group in prep.groups for e, _ in group})
+        self._check = check
+        self._offload_args: dict | None = None  # what offload() was called with (for edit())
         self.engine_id = ops.register(self)
         replay.install()
         self.restored = False
@@ -157,12 +167,15 @@ class OffloadHandle:
             if capturing != self._capturing:  # a capture began or ended: its copies ran not / not yet
                 self._capturing = capturing
                 self._invalidate()
+            self._outside_writes(group)
             plan = self._schedule.on_wait(group, capturing)
             for slot, g in plan.copies:  # every group of the prologue first, then what goes ahead
                 self._transfer.start_copy(slot, g)
             for _, g in plan.copies:
                 self._copy_ahead(g, capturing)
             self._transfer.wait(plan.slot)
+            if self._check and not capturing:
+                self._verify(group, "before")
             if plan.changed and not self._warned:  # only a miss is ever `changed`
                 self._warned = True
                 warnings.warn(
@@ -178,6 +191,14 @@ class OffloadHandle:
 
     def release(self, group: int) -> None:
         """After group `group` computed: start the copy of the next group that uses its slot."""
+        try:
+            self._inside_writes(group)
+            if self._check and not self._capturing:
+                self._verify(group, "after")
+        except BaseException:
+            self._invalidate()
+            self._leave()
+            raise
         plan = self._schedule.on_release(group, self._capturing)
         for slot, g in plan.copies:  # every copy first, then what goes ahead, as a prologue does
             self._transfer.start_copy(slot, g)
@@ -191,6 +212,108 @@ class OffloadHandle:
         """`tensors`, each that shares memory with a staging slot copied (the eager ops pass the rest
         through): a block's input or output must not change when the next group lands in its slot."""
         return [t.clone() if t.untyped_storage().data_ptr() in self._slot_storages else t for t in tensors]
+
+    # --- tensors the model writes (watch.py) -------------------------------------------------------
+    def _inside_writes(self, group: int) -> None:
+        """At `group`'s release: a tensor of the group its block wrote in place is state, not a weight:
+        it moves to resident storage (from the slot, which holds the write until the next copy), within
+        the budget; one its block rebound is adopted."""
+        for w, change in self._watch.changes(group):
+            if change == REBOUND:
+                self._unstream(group, w, None)
+                continue
+            entry = w.entry
+            left = self._budget - self.placement.gpu_bytes - self._state_bytes
+            if self._capturing:
+                raise OffloadStateError(
+                    f"{entry.name} is written by block {self.streamed_blocks[group]} while a CUDA graph is "
+                    "captured: weightstream keeps a tensor the model writes resident, which it cannot do "
+                    "inside a capture. Run one forward before capturing (it moves the tensor then)")
+            if entry.nbytes > left:
+                raise BudgetError(
+                    f"{entry.name} ({format_size(entry.nbytes)}) is written by block "
+                    f"{self.streamed_blocks[group]} in its forward: it is state, not a weight, so it must "
+                    f"stay on {self.device}, but the budget has {format_size(max(left, 0))} left: offload "
+                    f"with gpu_memory >= {format_size(self._budget - left + entry.nbytes)}",
+                    self._budget - left + entry.nbytes)
+            self._state_bytes += entry.nbytes
+            self._unstream(group, w, w.tensor.detach().clone())
+            warnings.warn(
+                f"weightstream: {entry.name} ({format_size(entry.nbytes)}) is written in place by block "
+                f"{self.streamed_blocks[group]}: it is state, not a weight, so it stays on {self.device} "
+                f"from now on instead of streaming ({format_size(self._state_bytes)} of the "
+                f"{format_size(self._budget)} budget kept for such tensors)", stacklevel=2)
+
+    def _outside_writes(self, group: int) -> None:
+        """At a wait: streamed tensors changed outside every block's window (between forwards, by the
+        user or a library). Checked for every group where a forward begins (and at every wait in check
+        mode), else for `group`'s. A rebinding is adopted; an in-place write landed in whichever group
+        the slot held, so it is discarded (the slots are refilled) and refused with an error."""
+        full = self._check or self._schedule.pass_start in (None, group)
+        found = (self._watch.all_changes() if full
+                 else [(group, w, c) for w, c in self._watch.changes(group)])
+        written = []
+        for g, w, change in found:
+            if change == REBOUND:
+                self._unstream(g, w, None)
+            else:
+                written.append(w)
+        merged = [m for m, n in self._peft.items() if len(m.merged_adapters) != n] if full else []
+        if not written and not merged:
+            return
+        self._invalidate()
+        for w in written:
+            self._watch.accept(w)
+        for m in merged:
+            self._peft[m] = len(m.merged_adapters)
+        what = (f"{written[0].entry.name} was written in place" if written else
+                f"PEFT adapters were merged into or unmerged from {type(merged[0]).__name__} layers' weights")
+        raise OffloadStateError(
+            f"{what} outside its block's forward, while it was offloaded: a streamed weight is a view of a "
+            "staging buffer that other blocks share, so the write went to whichever block's weights the "
+            "buffer held and was discarded (the weights are as they were before it). Edit weights inside "
+            "`with handle.edit():` (PEFT merge_adapter/unmerge_adapter, diffusers fuse_lora/unfuse_lora, "
+            "w.mul_(s)), or before offload()")
+
+    def _unstream(self, group: int, w: Watched, value: torch.Tensor | None) -> None:
+        """Stop streaming `w`'s entry: it becomes resident at `value` (None: at what the model bound in
+        its place). Its bytes stay in the group's layout, unread."""
+        entry = w.entry
+        self._groups[group][:] = [(e, sl) for e, sl in self._groups[group] if e is not entry]
+        self._watch.drop(group, w)
+        self._guards.forget(w.tensor)
+        if value is not None:
+            _set_tensor(entry, value)
+        else:
+            bound = w.bound()
+            if bound is not None:
+                entry.tensor = bound
+
+    def settle(self) -> list[str]:
+        """Adopt every streamed tensor the model rebound since the last forward (so `state_dict()` and
+        `restore()` see what the model holds); return the names of those written in place outside any
+        block's forward (their writes went to staging buffers)."""
+        written = []
+        for g, w, change in self._watch.all_changes():
+            if change == REBOUND:
+                self._unstream(g, w, None)
+            else:
+                written.append(w.entry.name)
+        return written
+
+    def _verify(self, group: int, when: str) -> None:
+        """Check mode: the slot of `group` holds each of its tensors' bytes (`when`: "before" or "after"
+        the block ran)."""
+        raw = self._transfer.raw_group(group)
+        slot = self._slots[self._schedule.slot(group)]
+        for entry, sl in self._groups[group]:
+            got = slot[sl.offset : sl.offset + sl.nbytes]
+            if not torch.equal(got, raw[sl.offset : sl.offset + sl.nbytes].to(got.device)):
+                raise OffloadStateError(
+                    f"weightstream check: {when} block {self.streamed_blocks[group]} ran, its staging slot "
+                    f"does not hold {entry.name}'s bytes: something wrote streamed memory "
+                    + ("between forwards (through .data, which no version counter sees)" if when == "before"
+                       else "in the block's forward without an in-place op that torch tracks (.data)"))
 
     def _copy_ahead(self, group: int, capturing: bool) -> None:
         """After `group` was started into its slot: send the bytes of the group the schedule offers
@@ -278,6 +401,10 @@ class OffloadHandle:
         if self.restored:
             raise OffloadStateError("this handle was already restored")
         target = self.device if device is None else _resolve_device(device)
+        for name in self.settle():
+            warnings.warn(f"weightstream: {name} was written in place outside its block's forward while "
+                          "offloaded; that write went to a staging buffer and is not in the restored model "
+                          "(edit weights inside `with handle.edit():`)", stacklevel=2)
         self._transfer.synchronize()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -324,10 +451,12 @@ def finish(
     places: dict[int, torch.Tensor],
     disk: DiskTier | None = None,
     pin: bool = True,
+    check: bool | None = None,
 ) -> OffloadHandle:
     """Point every tensor at its final place (streamed ones at their GPU slot views), install the
     schedule and return the handle. `places` must hold every resident and host-streamed entry's bytes
-    by now; groups in `disk` are read from their files each forward."""
+    by now; groups in `disk` are read from their files each forward. `check`: see `offload` (None: the
+    environment variable WEIGHTSTREAM_CHECK)."""
     placement = prep.placement
     off_device = {id(e) for group in prep.host_groups for e, _ in group}
     for entry in prep.entries:
@@ -346,9 +475,14 @@ def finish(
     for g, group in enumerate(prep.groups):
         slot = slots[g % placement.n_slots]
         for entry, sl in group:
-            _set_tensor(entry, entry.view_of(slot[sl.offset : sl.offset + sl.nbytes]))
+            view = entry.view_of(slot[sl.offset : sl.offset + sl.nbytes])
+            if entry.flat is None and not isinstance(view, nn.Parameter):
+                view = view.data  # its own version counter, not the slot's (watch.py); a parameter keeps its own
+            _set_tensor(entry, view)
 
-    handle = OffloadHandle(prep, arena, slots, disk, pin)
+    if check is None:
+        check = os.environ.get("WEIGHTSTREAM_CHECK", "") not in ("", "0")
+    handle = OffloadHandle(prep, arena, slots, disk, pin, check)
     handle._guards = guards.ModelGuards(handle)  # gradients off, eval mode, true state dicts
     _install_schedule(handle, prep.block_modules)
     for module in prep.model.modules():
@@ -373,6 +507,7 @@ def offload(
     profile: MachineProfile | None = None,
     placement: Placement | None = None,
     compress: bool | str = "auto",
+    check: bool | None = None,
 ) -> OffloadHandle | PipelineHandle:
     """Offload `model` in place so its weights take at most `gpu_memory` on `device`; return the handle.
 
@@ -406,6 +541,17 @@ def offload(
         on the CPU backend, and
         never for tensor subclasses, whose groups stream raw). False forces raw groups.
         Outputs stay bit-identical; landing buffers for the compressed bytes count in `gpu_memory`.
+    check: after every wait and before every release, compare the block's staging slot with its
+        group's true bytes and every streamed tensor's version counter, and raise naming the block and
+        the tensor where something wrote streamed memory (slow: a host sync and a copy per block; not
+        inside CUDA graph captures). None (default): on where the environment variable
+        WEIGHTSTREAM_CHECK is set to anything but "" or "0".
+
+    A tensor a block writes in its forward (a buffer it updates in place) is state, not a weight: it
+    stays resident from that forward on, counted in `gpu_memory` (a warning names it; BudgetError where
+    the budget cannot hold it). A streamed weight written in place from outside its block's forward
+    (`w.mul_(s)` after offload) raises OffloadStateError at the next forward: edit weights inside
+    `with handle.edit():` (docs/exactness.md).
 
     A diffusers pipeline is offloaded as a whole (`pipeline.offload_pipeline`, a `PipelineHandle`):
     device, pin_memory, strategy, compress and profile apply to every component; blocks, tokens and
@@ -423,7 +569,7 @@ def offload(
                 "weightstream.pipeline.offload_pipeline(pipe, ..., tokens={name: n}, calls={name: n}) for "
                 "per-component tokens, or offload one component (pipe.transformer) with these arguments")
         return offload_pipeline(model, gpu_memory, device=device, pin_memory=pin_memory, strategy=strategy,
-                                compress=compress, profile=profile)
+                                compress=compress, profile=profile, check=check)
     prep = prepare(model, gpu_memory, device, blocks, strategy=strategy, tokens=tokens,
                    pin_memory=pin_memory, profile=profile, placement=placement,
                    compress=compress)
@@ -453,4 +599,8 @@ def offload(
         entry.copy_to(target)
         if id(entry) in streamed:
             _set_tensor(entry, torch.empty(0, dtype=entry.dtype))
-    return finish(prep, arena, places, pin=pin)
+    handle = finish(prep, arena, places, pin=pin, check=check)
+    handle._offload_args = dict(gpu_memory=gpu_memory, device=device, pin_memory=pin_memory, blocks=blocks,
+                                strategy=strategy, tokens=tokens, profile=profile, placement=placement,
+                                compress=compress, check=check)
+    return handle

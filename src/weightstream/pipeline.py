@@ -263,6 +263,7 @@ def offload_pipeline(
     tokens: dict[str, int] | None = None,
     compress: bool | str = "auto",
     profile: MachineProfile | None = None,
+    check: bool | None = None,
 ) -> PipelineHandle:
     """Offload every nn.Module component of a diffusers pipeline in place under one `gpu_memory` budget
     (bytes or "12GiB": resident weights plus staging slots of all components together); return the
@@ -279,6 +280,7 @@ def offload_pipeline(
         they shrink, False never. Landing buffers count in `gpu_memory`.
     profile: the machine profile every component is planned with (default: this GPU's, as for
         `offload`); pass one and the split depends on the arguments alone.
+    check: as for `offload`, for every component.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy={strategy!r}: choose one of {', '.join(STRATEGIES)}")
@@ -307,7 +309,7 @@ def offload_pipeline(
         for name, m in modules.items():
             p = plans[name].placement
             handles[name] = offload(m, p.gpu_bytes, device=device, pin_memory=pin_memory, placement=p,
-                                    compress=p.compressed)
+                                    compress=p.compressed, check=check)
     except BaseException:
         for h in handles.values():
             h.restore()

@@ -137,6 +137,8 @@ class Prepared:
     uva_group_bytes: list[int]
     cost: ModelCost
     wire: list | None = None  # each streamed group's codec.EncodedGroup (None: raw); None: nothing coded
+    budget: int = 0  # the gpu_memory asked for, in bytes
+    block_lists: list[str] | None = None  # the `blocks` asked for (None: found automatically)
 
     @property
     def host_groups(self) -> list[list[tuple[Entry, Slice]]]:
@@ -275,7 +277,7 @@ def prepare(
     groups, group_bytes = grouped(placement.streamed, placement.part)
     uva_groups, uva_group_bytes = grouped(placement.uva)
     return Prepared(model, device, [b.name for b in found], block_modules, entries, placement, groups,
-                    group_bytes, uva_groups, uva_group_bytes, cost)
+                    group_bytes, uva_groups, uva_group_bytes, cost, budget=budget, block_lists=blocks)
 
 
 def final_places(

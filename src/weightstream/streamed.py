@@ -5,11 +5,18 @@ an `_apply` that refuses `.to()` / `.cuda()` / `.half()` (they would break the s
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING
 
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
+from torch.nn.modules.module import (  # the process-wide hooks nn.Module._call_impl runs too
+    _global_forward_hooks,
+    _global_forward_hooks_always_called,
+    _global_forward_hooks_with_kwargs,
+    _global_forward_pre_hooks,
+)
 
 from . import ops
 from .errors import OffloadStateError, WeightstreamError
@@ -97,36 +104,109 @@ def _blocked_apply(self, fn, *args, **kwargs):
 _STREAMED_CLASSES: dict[type, type] = {}
 
 
+def _window(self, name: str, args: tuple, kwargs: dict, body):
+    """Run `body(args, kwargs)` between the wait for this block's group and its release: every tensor
+    the block is called with goes through the wait and every tensor `body` returns through the release,
+    so no weight read can leave the window (ops.py says why)."""
+    engine_id, group = self._ws_engine_id, self._ws_group
+    (args, kwargs), found = _through(ops.wait, (args, kwargs), engine_id, group)
+    if not found:
+        raise WeightstreamError(
+            f"{name} was called with no tensor argument: weightstream orders its copies through "
+            "the tensors a block is called with"
+        )
+    if torch.compiler.is_compiling():
+        output = body(args, kwargs)
+    else:
+        try:
+            output = body(args, kwargs)
+        except BaseException:
+            ops.abort(engine_id)
+            raise
+    output, found = _through(ops.release, output, engine_id, group)
+    if not found:
+        raise WeightstreamError(
+            f"{name} returned no tensor: weightstream orders its copies through the tensors a "
+            "block returns"
+        )
+    return output
+
+
 def _streamed_forward(base_forward, name: str):
-    """The forward of a streamed block: wait for its group, run `base_forward`, release the slot.
-    Every tensor the block is called with goes through the wait and every tensor it returns through
-    the release, so no weight read can leave the window (ops.py says why)."""
+    """The forward of a streamed block: wait for its group, run `base_forward`, release the slot."""
 
     def forward(self, *args, **kwargs):
-        engine_id, group = self._ws_engine_id, self._ws_group
-        (args, kwargs), found = _through(ops.wait, (args, kwargs), engine_id, group)
-        if not found:
-            raise WeightstreamError(
-                f"{name} was called with no tensor argument: weightstream orders its copies through "
-                "the tensors a block is called with"
-            )
-        if torch.compiler.is_compiling():
-            output = base_forward(self, *args, **kwargs)
-        else:
-            try:
-                output = base_forward(self, *args, **kwargs)
-            except BaseException:
-                ops.abort(engine_id)
-                raise
-        output, found = _through(ops.release, output, engine_id, group)
-        if not found:
-            raise WeightstreamError(
-                f"{name} returned no tensor: weightstream orders its copies through the tensors a "
-                "block returns"
-            )
-        return output
+        return _window(self, name, args, kwargs, lambda a, k: base_forward(self, *a, **k))
 
     return forward
+
+
+def _hooks(self) -> bool:
+    """Whether forward hooks or pre-hooks would run around this module's forward (its own or global)."""
+    return bool(self._forward_hooks or self._forward_pre_hooks or _global_forward_hooks
+                or _global_forward_pre_hooks)
+
+
+def _hooked(self, base_forward, args: tuple, kwargs: dict):
+    """`base_forward` with the module's forward pre-hooks before it and forward hooks after it, as
+    `nn.Module._call_impl` runs them (with or without kwargs, global ones first, `always_call` hooks
+    also when the forward raises)."""
+    for hook_id, hook in (*_global_forward_pre_hooks.items(), *self._forward_pre_hooks.items()):
+        if hook_id in self._forward_pre_hooks_with_kwargs:
+            got = hook(self, args, kwargs)
+            if got is not None:
+                if not (isinstance(got, tuple) and len(got) == 2):
+                    raise RuntimeError("forward pre-hook must return None or a tuple of (new_args, "
+                                       f"new_kwargs), but got {got}.")
+                args, kwargs = got
+        else:
+            got = hook(self, args)
+            if got is not None:
+                args = got if isinstance(got, tuple) else (got,)
+    hooks = (*_global_forward_hooks.items(), *self._forward_hooks.items())
+    called = set()
+    result = None
+    try:
+        result = base_forward(self, *args, **kwargs)
+        for hook_id, hook in hooks:
+            called.add(hook_id)
+            if hook_id in self._forward_hooks_with_kwargs or hook_id in _global_forward_hooks_with_kwargs:
+                got = hook(self, args, kwargs, result)
+            else:
+                got = hook(self, args, result)
+            if got is not None:
+                result = got
+    except Exception:
+        if torch.compiler.is_compiling():
+            raise
+        for hook_id, hook in hooks:  # as nn.Module._call_impl: always_call hooks run even so
+            if hook_id in called or not (hook_id in self._forward_hooks_always_called
+                                         or hook_id in _global_forward_hooks_always_called):
+                continue
+            try:
+                if hook_id in self._forward_hooks_with_kwargs:
+                    hook(self, args, kwargs, result)
+                else:
+                    hook(self, args, result)
+            except Exception as e:
+                warnings.warn("module forward hook with ``always_call=True`` raised an exception that was "
+                              f"silenced as another error was raised in forward: {e}", stacklevel=2)
+        raise
+    return result
+
+
+def _streamed_call(base_forward, name: str):
+    """`_call_impl` of a streamed block: where forward hooks or pre-hooks are registered (on the block,
+    before or after offload, or globally), they run inside the block's window, so a hook that reads the
+    block's weights sees them, not whatever the staging slot holds outside the window. Without hooks,
+    torch's own `_call_impl` (which calls the streamed forward)."""
+
+    def _call_impl(self, *args, **kwargs):
+        if not _hooks(self):
+            return nn.Module._call_impl(self, *args, **kwargs)
+        return _window(self, name, args, kwargs, lambda a, k: _hooked(self, base_forward, a, k))
+
+    return _call_impl
 
 
 def _streamed_class(base: type) -> type:
@@ -139,7 +219,9 @@ def _streamed_class(base: type) -> type:
     """
     if base not in _STREAMED_CLASSES:
         forward = _streamed_forward(base.forward, base.__name__)
-        _STREAMED_CLASSES[base] = type(f"Streamed{base.__name__}", (base,), {"forward": forward})
+        call = _streamed_call(base.forward, base.__name__)
+        _STREAMED_CLASSES[base] = type(f"Streamed{base.__name__}", (base,),
+                                       {"forward": forward, "_call_impl": call})
     return _STREAMED_CLASSES[base]
 
 
