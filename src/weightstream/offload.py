@@ -31,7 +31,7 @@ from .schedule import Schedule
 from .sizes import format_size
 from .streamed import _blocked_apply, _install_schedule
 from .uva import uva_view
-from .watch import REBOUND, WRITTEN, TensorWatch, Watched, peft_layers
+from .watch import REBOUND, TensorWatch, Watched, peft_layers
 from .wire import encode_groups, fill_arena, make_transfer
 
 if TYPE_CHECKING:
@@ -153,6 +153,7 @@ class OffloadHandle:
         self._peft = peft_layers(prep.model, {id(e.tensor) for group in prep.groups for e, _ in group})
         self._check = check
         self._offload_args: dict | None = None  # what offload() was called with (for edit())
+        self._cost = prep.cost
         self.engine_id = ops.register(self)
         replay.install()
         self.restored = False
@@ -266,14 +267,21 @@ class OffloadHandle:
             self._watch.accept(w)
         for m in merged:
             self._peft[m] = len(m.merged_adapters)
-        what = (f"{written[0].entry.name} was written in place" if written else
-                f"PEFT adapters were merged into or unmerged from {type(merged[0]).__name__} layers' weights")
+        if written:
+            w = written[0]
+            kind = "parameter" if isinstance(w.tensor, nn.Parameter) else "buffer"
+            what = f"{kind} {w.entry.name} was written in place"
+        else:
+            what = (f"PEFT adapters were merged into or unmerged from {type(merged[0]).__name__} layers' "
+                    "weights")
         raise OffloadStateError(
-            f"{what} outside its block's forward, while it was offloaded: a streamed weight is a view of a "
-            "staging buffer that other blocks share, so the write went to whichever block's weights the "
-            "buffer held and was discarded (the weights are as they were before it). Edit weights inside "
-            "`with handle.edit():` (PEFT merge_adapter/unmerge_adapter, diffusers fuse_lora/unfuse_lora, "
-            "w.mul_(s)), or before offload()")
+            f"{what} outside its block's forward while offloaded. A streamed tensor is a view of a staging "
+            "buffer that other blocks share, so the write went to whichever block's weights the buffer "
+            "held and was discarded (the tensors are as they were before it). To edit weights (PEFT "
+            "merge_adapter, diffusers fuse_lora, w.mul_(s)), do it inside `with handle.edit():` or before "
+            "offload(). If a compiled forward wrote it (torch.compile applies a block's in-place writes "
+            "after the block's window), it is state: run one forward eagerly before compiling, and "
+            "weightstream keeps it resident")
 
     def _unstream(self, group: int, w: Watched, value: torch.Tensor | None) -> None:
         """Stop streaming `w`'s entry: it becomes resident at `value` (None: at what the model bound in
@@ -394,6 +402,50 @@ class OffloadHandle:
             wire_raw_bytes=sum(self._group_bytes),
         )
 
+    @contextlib.contextmanager
+    def edit(self):
+        """Edit the offloaded model's weights: `with handle.edit(): model.merge_adapter()`.
+
+        Inside the block the model is restored to the CPU: every weight is a plain CPU tensor, true and
+        writable (PEFT merge_adapter/unmerge_adapter, diffusers fuse_lora/unfuse_lora and
+        load_lora_weights, fusing a norm into a linear, `w.mul_(s)` under no_grad). On leaving it the
+        model is offloaded again with the arguments `offload()` was given (the same placement where
+        no block changed size, else planned anew within the same budget), and this handle becomes the
+        new offload's. The edits run on the CPU, where offloaded weights live: the result equals the
+        resident model edited on the CPU. Host memory must hold the whole model while inside; compiled
+        or captured forwards must be compiled or captured again. Where the block raises, the model
+        stays restored on the CPU (this handle is then restored). Yields the model.
+        """
+        if self.restored:
+            raise OffloadStateError("this handle was restored: offload the model again to edit it offloaded")
+        if self._offload_args is None:
+            raise OffloadStateError(
+                "edit() needs a model offloaded by weightstream.offload(); for one loaded with "
+                "from_pretrained: handle.restore('cpu'), edit, then weightstream.offload(model, ...)")
+        args = dict(self._offload_args)
+        self.restore("cpu")
+        yield self.model
+        from .plan import Placement
+
+        empty = Placement((), 0, 0, 0, 0)
+        cost = prepare(self.model, 0, args["device"], args["blocks"], placement=empty,
+                       predict_wire=False).cost
+        old = self._cost
+        if (cost.block_bytes, cost.tensor_bytes, cost.slot_bytes) == (old.block_bytes, old.tensor_bytes,
+                                                                       old.slot_bytes):
+            args["placement"] = self.placement
+        else:
+            args["placement"] = None
+        new = offload(self.model, **args)
+        ops.unregister(new.engine_id)
+        self.__dict__.clear()
+        self.__dict__.update(new.__dict__)
+        self.engine_id = ops.register(self)
+        for block in self._streamed_modules:
+            block._ws_engine_id = self.engine_id
+        self._guards.handle = self
+        object.__setattr__(self.model, _HANDLE_ATTR, self)
+
     def restore(self, device: str | torch.device | None = None) -> nn.Module:
         """Put every weight back as a plain tensor on `device` (default: the offload device), remove the
         schedule ops (the blocks get their own classes back), and free the slots and the host arena.
@@ -477,7 +529,7 @@ def finish(
         for entry, sl in group:
             view = entry.view_of(slot[sl.offset : sl.offset + sl.nbytes])
             if entry.flat is None and not isinstance(view, nn.Parameter):
-                view = view.data  # its own version counter, not the slot's (watch.py); a parameter keeps its own
+                view = view.data  # its own version counter, not the slot's (watch.py), as a parameter has
             _set_tensor(entry, view)
 
     if check is None:

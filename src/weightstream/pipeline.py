@@ -16,6 +16,7 @@ slots are its own GPU buffers (docs/diffusion.md says why sharing them is not ex
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -206,6 +207,19 @@ class PipelineHandle:
                              {n: p.calls for n, p in self.plans.items()},
                              sum(p.placement.gpu_bytes for p in self.plans.values()), self.budget_bytes,
                              sum(p.generation_ms for p in self.plans.values()))
+
+    @contextlib.contextmanager
+    def edit(self):
+        """Edit the pipeline's weights (`with handle.edit(): pipe.fuse_lora()`): every component is
+        restored to the CPU inside the block and offloaded again on leaving it (`OffloadHandle.edit`).
+        Yields the pipeline."""
+        if self.restored:
+            raise OffloadStateError("this pipeline handle was restored: offload the pipeline again to "
+                                    "edit it")
+        with contextlib.ExitStack() as stack:
+            for handle in self.handles.values():
+                stack.enter_context(handle.edit())
+            yield self.pipe
 
     def restore(self, device: str | torch.device | None = None):
         """Restore every component (see `OffloadHandle.restore`); returns the pipeline."""
