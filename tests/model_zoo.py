@@ -122,8 +122,65 @@ def t5_encoder(seed: int = 0):
                                         return_dict=False)
 
 
+class Fresh:
+    """An input made anew for every call (`call` builds it): a cache the forward fills in place."""
+
+    def __init__(self, make) -> None:
+        self.make = make
+
+
+_DECODER = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+
+
+def _decoder(config, seed: int, **extra):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    return model, dict(input_ids=torch.randint(0, 128, (1, 8), generator=_gen(seed)), **extra)
+
+
+def qwen3(seed: int = 0):
+    from transformers import Qwen3Config
+
+    return _decoder(Qwen3Config(**_DECODER, head_dim=16), seed, use_cache=False)
+
+
+def qwen3_moe(seed: int = 0):
+    from transformers import Qwen3MoeConfig
+
+    return _decoder(Qwen3MoeConfig(**_DECODER, head_dim=16, moe_intermediate_size=32, num_experts=4,
+                                   num_experts_per_tok=2), seed, use_cache=False)
+
+
+def gemma3_text(seed: int = 0):
+    from transformers import Gemma3TextConfig
+
+    config = Gemma3TextConfig(**_DECODER, head_dim=16, query_pre_attn_scalar=16, sliding_window=4)
+    return _decoder(config, seed, use_cache=False)
+
+
+def falcon_h1(seed: int = 0):
+    from transformers import FalconH1Config
+
+    config = FalconH1Config(**_DECODER, head_dim=16, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16,
+                            mamba_d_state=16, mamba_chunk_size=8, mamba_expand=1)
+    return _decoder(config, seed, use_cache=False)
+
+
+def llama_static_cache(seed: int = 0):
+    """A Llama forward that fills a transformers StaticCache (a new one per call)."""
+    from transformers import LlamaConfig, StaticCache
+
+    config = LlamaConfig(**_DECODER)
+    return _decoder(config, seed, use_cache=True,
+                    past_key_values=Fresh(lambda: StaticCache(config=config, max_cache_len=32)))
+
+
 ZOO = {"flux": flux, "sd3": sd3, "wan": wan, "unet": unet, "vae": vae, "clip": clip, "t5_encoder": t5_encoder,
-       "jamba": jamba, "sequential": sequential}
+       "jamba": jamba, "sequential": sequential, "qwen3": qwen3, "qwen3_moe": qwen3_moe,
+       "gemma3_text": gemma3_text, "falcon_h1": falcon_h1, "llama_static_cache": llama_static_cache}
 
 
 def t5(seed: int = 0):
@@ -152,6 +209,7 @@ SEQ2SEQ = {"t5": t5, "whisper": whisper}
 
 def call(model, inputs):
     """The model's output on `inputs` (a dict of keyword arguments), without autograd."""
+    inputs = {k: v.make() if isinstance(v, Fresh) else v for k, v in inputs.items()}
     with torch.no_grad():
         return model(**inputs)
 
