@@ -84,7 +84,7 @@ def chain(block, n: int = 4, seed: int = 0) -> Chain:
 
 def same_state(a: nn.Module, b: nn.Module) -> bool:
     sa, sb = a.state_dict(), b.state_dict()
-    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k].cpu(), sb[k].cpu()) for k in sa)
 
 
 # --- state kept in buffers ---------------------------------------------------------------------------
