@@ -160,3 +160,17 @@ def test_generate_takes_dtype_aliases(checkpoint, capsys):
     assert main(["generate", str(folder), "--prompt", "w3 w4", "--gpu-memory", "200KB", "--device", "cpu",
                  "--max-new-tokens", "2", "--dtype", "fp16"]) == 0
     assert "tokens/s" in capsys.readouterr().out
+
+
+def test_generate_refuses_a_model_that_is_not_a_causal_lm(tmp_path, capsys):
+    import transformers
+
+    cfg = transformers.BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
+                                  intermediate_size=32)
+    transformers.BertModel(cfg).save_pretrained(tmp_path)
+    argv = ["generate", str(tmp_path), "--prompt", "hi", "--gpu-memory", "1MB", "--device", "cpu"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    ours = [line for line in err.splitlines() if line.startswith("weightstream generate: ")]
+    assert len(ours) == 1 and "BertModel" in ours[0] and "not a causal LM" in ours[0], err
+    assert "LlamaForCausalLM" in ours[0] and "Traceback" not in err

@@ -10,7 +10,7 @@ import torch
 
 from .dtypes import parse_dtype
 from .errors import ArgumentError, CheckpointError
-from .hf import checkpoint_folder, from_pretrained, read_config
+from .hf import checkpoint_folder, from_pretrained, model_class, read_config
 from .offload import handle_of
 from .sizes import format_size
 
@@ -67,6 +67,16 @@ def _timed_streamer(tokenizer, start: float, echo: bool):
     return Streamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
 
 
+def _check_generates(cls: type, folder: os.PathLike) -> None:
+    """Raise CheckpointError when `cls` (the class config.json names) cannot generate text."""
+    can_generate = getattr(cls, "can_generate", None)
+    if can_generate is not None and not can_generate():
+        raise CheckpointError(
+            f"{folder}: config.json names {cls.__name__}, which is not a causal LM (it has no generate()): "
+            "weightstream generate needs a text-generation checkpoint whose `architectures` names a class "
+            "such as LlamaForCausalLM; `weightstream plan FOLDER` plans any model")
+
+
 def generate_text(
     path: str | os.PathLike,
     prompt: str,
@@ -82,14 +92,16 @@ def generate_text(
     """Load `path` offloaded under `gpu_memory`, generate greedily from `prompt`, print the text as it
     comes (when `echo`), and return the summary. compile: static KV cache and
     `torch.compile(fullgraph=True)` of the forward. chat: wrap the prompt in the tokenizer's chat
-    template. Raises ArgumentError for an empty prompt or fewer than one new token."""
+    template. Raises ArgumentError for an empty prompt or fewer than one new token, CheckpointError for
+    a checkpoint of a model that does not generate text (an encoder such as BertModel)."""
     if not prompt:
         raise ArgumentError("--prompt is empty: give the text to continue, e.g. --prompt 'Hello'")
     if max_new_tokens < 1:
         raise ArgumentError(f"--max-new-tokens {max_new_tokens}: generate at least 1 token")
     if dtype is not None:
         parse_dtype(dtype)  # before anything is loaded
-    read_config(checkpoint_folder(path))  # its mistakes first, before the tokenizer trips on them
+    folder = checkpoint_folder(path)
+    _check_generates(model_class(read_config(folder), folder), folder)  # before the tokenizer or weights
     tokenizer = _load_tokenizer(path)
     model = from_pretrained(path, gpu_memory, dtype=dtype, device=device)
     handle = handle_of(model)
