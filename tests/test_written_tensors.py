@@ -440,3 +440,14 @@ def test_drawn_writers_hooks_and_call_orders_match_the_resident_model(behaviours
         assert same_state(model, ref)
         handle.restore()
     assert same_state(model, ref)
+
+
+def test_edit_of_a_model_loaded_with_from_pretrained_says_how_to_edit_it(checkpoint):
+    folder, _ = checkpoint
+    model = ws.from_pretrained(folder, gpu_memory=312640, device="cpu", strategy="stream")
+    handle = ws.handle_of(model)
+    assert handle.stats.streamed_bytes > 0
+    with pytest.raises(OffloadStateError, match=r"edit\(\) needs a model offloaded by weightstream\.offload"):
+        with handle.edit():
+            pass
+    assert not handle.restored
