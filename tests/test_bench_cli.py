@@ -1,5 +1,5 @@
 """`weightstream bench` on the command line: the report mode, a CPU smoke run, the refusal of a large
-shape without CUDA, through both entry points."""
+shape without CUDA and of every other mistake (one line, exit status 2), through both entry points."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def test_report_mode_writes_the_page_and_plots(bench_stored, tmp_path):
 def test_bench_refuses_a_large_shape_without_cuda(capsys):
     if torch.cuda.is_available():
         pytest.skip("the refusal is for machines without CUDA")
-    assert cli.main(["--shape", "llama-3-8b", "--out", "/nonexistent/never.json"]) == 1
+    assert cli.main(["--shape", "llama-3-8b", "--out", "/nonexistent/never.json"]) == 2
     assert "--shape tiny" in capsys.readouterr().err
 
 
@@ -41,9 +41,9 @@ def test_weightstream_bench_runs_a_cpu_smoke_run_and_prints_the_table(tmp_path, 
 
 def test_an_unknown_method_or_mode_is_refused_with_the_choices(tmp_path, capsys):
     base = ["--device", "cpu", "--shape", "tiny", "--out", str(tmp_path / "x.json")]
-    assert cli.main([*base, "--methods", "nope"]) == 1
+    assert cli.main([*base, "--methods", "nope"]) == 2
     assert "choose from resident" in capsys.readouterr().err
-    assert cli.main([*base, "--modes", "fast"]) == 1
+    assert cli.main([*base, "--modes", "fast"]) == 2
     assert "graph-eager" in capsys.readouterr().err
 
 
@@ -54,3 +54,38 @@ def test_validate_mode_checks_stored_files(bench_stored, tmp_path, capsys):
     bad.write_text(json.dumps({"results": []}))
     assert cli.main(["--validate", bench_stored, str(bad)]) == 1
     assert "INVALID" in capsys.readouterr().out
+
+
+MISTAKES = {  # name: (argv, what the one line must say); each refused before a model is built
+    "--device cuda without CUDA": (["--device", "cuda"], "CUDA is not available here"),
+    "--device tpu": (["--device", "tpu"], "give cuda, cuda:N or cpu"),
+    "--reps 0": (["--reps", "0"], "--reps 0: time at least 1 forward"),
+    "--reps -2": (["--reps", "-2"], "--reps -2: time at least 1 forward"),
+    "--max-seconds 0": (["--max-seconds", "0"], "--max-seconds 0: give a positive number of seconds"),
+    "--method-seconds -1": (["--method-seconds", "-1"], "--method-seconds -1: give a positive number"),
+    "--budgets 0": (["--budgets", "0"], "a fraction must be in (0, 1]"),
+    "--budgets empty": (["--budgets", ","], "--budgets is empty"),
+    "--phases decode": (["--phases", "decode"], "phase 'decode': write decode-bN"),
+    "--methods nope": (["--methods", "nope"], "choose from resident"),
+    "--report missing file": (["--report", "/nonexistent/suite.json"], "No such file"),
+}
+
+
+@pytest.mark.parametrize("name", MISTAKES)
+def test_every_mistake_ends_in_one_line_and_exit_status_2(name, tmp_path, capsys, monkeypatch):
+    argv, says = MISTAKES[name]
+    if "cuda" in argv and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    from weightstream.bench import runner
+
+    def never(*args, **kwargs):
+        raise AssertionError("the mistake was found only after the run started")
+
+    monkeypatch.setattr(runner, "_start", never)
+    defaults = ["--shape", "tiny", "--out", str(tmp_path / "x.json")]
+    if "--device" not in argv:
+        defaults += ["--device", "cpu"]
+    assert weightstream_main(["bench", *defaults, *argv]) == 2
+    err = capsys.readouterr().err
+    lines = err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("weightstream bench: ") and says in lines[0], err

@@ -20,13 +20,18 @@ import sys
 
 import torch
 
+from ..errors import ArgumentError, WeightstreamError
+from ..prepare import _resolve_device
 from . import methods as registry
-from .phases import DEFAULT_PHASES
+from .limits import check_limits
+from .phases import DEFAULT_PHASES, parse_phase
 from .plots import write_plots
 from .report import markdown_table, write_benchmarks_md
-from .runner import run_suite
+from .runner import resolve_budget, run_suite
 from .schema import DEFAULT_MODES, load_results, validate_files
-from .shapes import SHAPES
+from .shapes import SHAPES, shape_weight_bytes
+
+USAGE_ERROR = 2
 
 
 def _csv(text: str) -> list[str]:
@@ -70,8 +75,42 @@ def report(paths: list[str], md_path: str, png_dir: str) -> str:
     return write_benchmarks_md(paths, md_path, images)
 
 
+def check_run(args: argparse.Namespace) -> torch.device:
+    """Refuse a run that cannot work before anything is built or timed; return the device. Raises
+    ArgumentError (or ValueError from the runner's own checks) naming the option to change."""
+    if (args.device or "").startswith("cuda") and not torch.cuda.is_available():
+        raise ArgumentError(f"--device {args.device}: CUDA is not available here; use --device cpu with "
+                            "--shape tiny or tiny-moe")
+    try:
+        device = _resolve_device(args.device)
+    except WeightstreamError:
+        raise ArgumentError(f"--device {args.device}: give cuda, cuda:N or cpu") from None
+    if device.type == "cuda" and device.index >= torch.cuda.device_count():
+        raise ArgumentError(f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA "
+                            "device(s), numbered from 0")
+    if device.type == "cpu" and not args.shape.startswith("tiny"):
+        raise ArgumentError("without CUDA, run the harness on --shape tiny or tiny-moe (a correctness smoke "
+                            "test)")
+    if args.reps < 1:
+        raise ArgumentError(f"--reps {args.reps}: time at least 1 forward per measurement")
+    for option, seconds in (("--max-seconds", args.max_seconds), ("--method-seconds", args.method_seconds)):
+        if seconds is not None and not seconds > 0:  # `not >` also refuses nan
+            raise ArgumentError(f"{option} {seconds:g}: give a positive number of seconds, or leave it out")
+    check_limits(args.max_seconds, args.method_seconds)  # a SIGALRM timer for --method-seconds
+    for option, values in (("--budgets", args.budgets), ("--phases", args.phases)):
+        if not values:
+            raise ArgumentError(f"{option} is empty: give at least one, comma separated")
+    weights = shape_weight_bytes(args.shape)
+    for budget in args.budgets:
+        resolve_budget(budget, weights)
+    for phase in args.phases:
+        parse_phase(phase)
+    return device
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of `weightstream bench`; returns the exit status."""
+    """Entry point of `weightstream bench`; returns the exit status: 2 (one line on stderr) for a
+    mistake in what was asked, 1 for an invalid file under --validate or a run that was aborted."""
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     try:
@@ -81,19 +120,17 @@ def main(argv: list[str] | None = None) -> int:
             report(args.report, args.md, args.png_dir)
             print(f"wrote {args.md} and plots in {args.png_dir}")
             return 0
-        device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        if device == "cpu" and not args.shape.startswith("tiny"):
-            raise ValueError("without CUDA, run the harness on --shape tiny or tiny-moe (a correctness smoke "
-                             "test)")
+        device = check_run(args)
         out = args.out or f"benchmarks/results/suite_{args.shape}.json"
         doc = run_suite(args.shape, args.budgets, args.phases, args.methods, args.modes, args.reps, device,
                         out, seed=args.seed, timeline=not args.no_timeline,
                         emulate_precision_casts=args.emulate_precision_casts,
                         command="weightstream bench " + shlex.join(argv), max_seconds=args.max_seconds,
                         method_seconds=args.method_seconds)
-    except (ValueError, OSError) as err:
-        print(f"weightstream bench: {err}", file=sys.stderr)
-        return 1
+    except (WeightstreamError, ValueError, OSError) as err:
+        message = " ".join(str(err).split())  # one line, whatever the message held
+        print(f"weightstream bench: {message}", file=sys.stderr)
+        return USAGE_ERROR
     print("\n" + markdown_table([doc]), flush=True)
     return 0 if not doc.get("aborted") else 1
 
