@@ -123,6 +123,8 @@ MISTAKES = {  # name: (argv after the folder, how to spoil the folder, what the 
     "plan --dtype int8": (["plan", "{}", "--dtype", "int8"], None, "floating-point dtype"),
     "plan --tokens 0": (["plan", "{}", "--tokens", "0"], None, "tokens=0"),
     "plan unknown model": (["plan", "no-such-model"], None, "built-in shape"),
+    "plan --steps 0": (["plan", "{}", "--steps", "0"], None, "at least 1 denoising step"),
+    "plan --steps without a pipeline": (["plan", "{}", "--steps", "4"], None, "drop --steps"),
     "plan budget too small": (["plan", "llama-3-8b", "--gpu-memory", "1GiB"], None, "give at least"),
     "plan cpu_memory too small": (["plan", "llama-3-8b", "--gpu-memory", "3GiB", "--cpu-memory", "1MB"],
                                   None, "cpu_memory"),
@@ -155,6 +157,32 @@ def test_every_mistake_ends_in_one_line_and_exit_status_2(name, checkpoint, caps
     assert "Traceback" not in err
 
 
+USAGE_MISTAKES = {  # argparse's own: name: (argv, what the one line must say)
+    "no command": ([], "weightstream: the following arguments are required: command"),
+    "unknown command": (["nosuch"], "invalid choice: 'nosuch'"),
+    "plan without --gpu-memory": (["plan", "llama-3-8b"], "required: --gpu-memory"),
+    "plan --strategy foo": (["plan", "llama-3-8b", "--gpu-memory", "8GiB", "--strategy", "foo"],
+                            "invalid choice: 'foo'"),
+    "plan --tokens x": (["plan", "llama-3-8b", "--gpu-memory", "8GiB", "--tokens", "x"], "invalid int value"),
+    "demo --fraction x": (["demo", "--fraction", "x"], "invalid float value"),
+    "probe extra argument": (["probe", "x"], "unrecognized arguments: x"),
+    "bench --shape nope": (["bench", "--shape", "nope"], "weightstream bench: argument --shape: invalid"),
+    "bench --reps x": (["bench", "--reps", "x"], "invalid int value: 'x'"),
+}
+
+
+@pytest.mark.parametrize("name", USAGE_MISTAKES)
+def test_every_usage_mistake_is_one_line_and_exit_status_2(name, capsys):
+    argv, says = USAGE_MISTAKES[name]
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    captured = capsys.readouterr()
+    lines = captured.err.splitlines()
+    assert len(lines) == 1 and says in lines[0] and "--help)" in lines[0], captured.err
+    assert lines[0].startswith("weightstream") and not captured.out
+
+
 def test_generate_takes_dtype_aliases(checkpoint, capsys):
     folder, _ = checkpoint
     assert main(["generate", str(folder), "--prompt", "w3 w4", "--gpu-memory", "200KB", "--device", "cpu",
@@ -174,3 +202,22 @@ def test_generate_refuses_a_model_that_is_not_a_causal_lm(tmp_path, capsys):
     ours = [line for line in err.splitlines() if line.startswith("weightstream generate: ")]
     assert len(ours) == 1 and "BertModel" in ours[0] and "not a causal LM" in ours[0], err
     assert "LlamaForCausalLM" in ours[0] and "Traceback" not in err
+
+
+@pytest.fixture
+def pipeline_folder(tmp_path):
+    """A tiny FluxPipeline saved in float32 (the dtype its modules were built in): (folder, pipeline)."""
+    pytest.importorskip("diffusers")
+    from test_pipeline import tiny_flux_pipeline
+
+    pipe = tiny_flux_pipeline()
+    pipe.save_pretrained(tmp_path)
+    return tmp_path, pipe
+
+
+@pytest.mark.parametrize("option", [["--tokens", "64"], ["--cpu-memory", "1GiB"]])
+def test_plan_of_a_pipeline_folder_refuses_an_option_it_would_ignore(pipeline_folder, option, capsys):
+    folder, _ = pipeline_folder
+    assert main(["plan", str(folder), "--gpu-memory", "1MB", *option]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"drop {option[0]}" in err and "Traceback" not in err, err

@@ -5,8 +5,17 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import NoReturn
 
 USAGE_ERROR = 2
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose usage mistakes (an unknown option, a value of the wrong type, a missing argument)
+    end like every other mistake: one line on stderr, naming where the options are listed, exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(USAGE_ERROR, f"{self.prog}: {message} (see: {self.prog} --help)\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -16,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
         from .bench import main as bench
 
         return bench(argv[1:])
-    parser = argparse.ArgumentParser(prog="weightstream", description=__doc__)
+    parser = OneLineParser(prog="weightstream", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("bench", help="every offload method side by side (see: weightstream bench --help)")
     demo = sub.add_parser("demo", help="offload a built-in model, generate, compare with the resident run")
@@ -51,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
                       help="dtype to plan in (default: a folder's checkpoint dtype; bfloat16 for built-ins)")
     plan.add_argument("--cpu-memory", default=None,
                       help='host memory for offloaded weights, as for from_pretrained (default: no limit)')
-    plan.add_argument("--steps", type=int, default=28, help="denoising steps per generation (pipelines)")
+    plan.add_argument("--steps", type=int, default=None,
+                      help="denoising steps per generation (pipeline folders only; default 28)")
     plan.add_argument("--json", action="store_true", help="print JSON for tools")
     plan.add_argument("--compress", default="auto", choices=["auto", "true", "false"],
                       help="stream groups losslessly compressed, as offload(compress=...): true, "
@@ -80,12 +90,14 @@ def _run(args: argparse.Namespace) -> int:
         import json
         import os
 
-        from .pipeline import format_pipeline_plan, plan_pipeline
+        from .pipeline import DEFAULT_STEPS, format_pipeline_plan, plan_pipeline
         from .planview import format_report, plan_report
 
         pipeline = os.path.isfile(os.path.join(args.model, "model_index.json"))  # a diffusers pipeline folder
+        _check_plan_options(args, pipeline)
         compress = {"auto": "auto", "true": True, "false": False}[args.compress]
-        report = (plan_pipeline(args.model, args.gpu_memory, args.steps, args.strategy, compress=compress)
+        report = (plan_pipeline(args.model, args.gpu_memory, args.steps or DEFAULT_STEPS, args.strategy,
+                                compress=compress)
                   if pipeline
                   else plan_report(args.model, args.gpu_memory, args.tokens, args.strategy, dtype=args.dtype,
                                    cpu_memory=args.cpu_memory, compress=compress))
@@ -102,6 +114,22 @@ def _run(args: argparse.Namespace) -> int:
         print(summary)
         return 0
     return USAGE_ERROR
+
+
+def _check_plan_options(args: argparse.Namespace, pipeline: bool) -> None:
+    """Refuse an option `weightstream plan` would ignore for this kind of model, or a step count below 1."""
+    from .errors import ArgumentError
+
+    if args.steps is not None and args.steps < 1:
+        raise ArgumentError(f"--steps {args.steps}: a generation takes at least 1 denoising step")
+    given = ({"--tokens": args.tokens, "--cpu-memory": args.cpu_memory} if pipeline
+             else {"--steps": args.steps})
+    ignored = [option for option, value in given.items() if value is not None]
+    if ignored:
+        what = ("a pipeline folder (model_index.json) is planned per component at its default tokens, "
+                "with no host memory limit" if pipeline else "only a pipeline folder (model_index.json) "
+                                                            "has denoising steps")
+        raise ArgumentError(f"{' and '.join(ignored)} not used here: {what}; drop {' and '.join(ignored)}")
 
 
 def _probe(refresh: bool) -> int:

@@ -20,6 +20,7 @@ import sys
 
 import torch
 
+from ..cli import OneLineParser
 from ..errors import ArgumentError, WeightstreamError
 from ..prepare import _resolve_device
 from . import methods as registry
@@ -40,7 +41,7 @@ def _csv(text: str) -> list[str]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """The `weightstream bench` command line; see the module docstring."""
-    p = argparse.ArgumentParser(prog="weightstream bench", description=__doc__.split("\n")[0])
+    p = OneLineParser(prog="weightstream bench", description=__doc__.split("\n")[0])
     p.add_argument("--shape", choices=list(SHAPES), default="llama-3-8b")
     p.add_argument("--budgets", type=_csv, default=["0.25", "0.5", "0.75"],
                    help="GPU budgets: fractions of the weight bytes (0.25) or sizes (8GiB), comma separated")
