@@ -221,3 +221,23 @@ def test_plan_of_a_pipeline_folder_refuses_an_option_it_would_ignore(pipeline_fo
     assert main(["plan", str(folder), "--gpu-memory", "1MB", *option]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"drop {option[0]}" in err and "Traceback" not in err, err
+
+
+def test_plan_of_a_pipeline_folder_takes_the_dtype_its_weights_are_stored_in(pipeline_folder, capsys):
+    from weightstream.pipeline import component_costs, modules_of
+
+    folder, pipe = pipeline_folder
+    costs = component_costs(modules_of(pipe), "cpu")  # the float32 pipeline in memory
+    fp32 = {name: c.fixed_bytes + sum(c.block_bytes) for name, c in costs.items()}
+    assert main(["plan", str(folder), "--gpu-memory", "1MB", "--json"]) == 0
+    planned = json.loads(capsys.readouterr().out)["components"]
+    assert {name: c["weight_bytes"] for name, c in planned.items()} == fp32
+    assert {c["dtype"] for c in planned.values()} == {"float32"}
+    assert main(["plan", str(folder), "--gpu-memory", "1MB", "--json", "--dtype", "bf16"]) == 0
+    halved = json.loads(capsys.readouterr().out)["components"]
+    assert {c["dtype"] for c in halved.values()} == {"bfloat16"}
+    assert halved["transformer"]["weight_bytes"] * 2 == fp32["transformer"]
+    # one diffusers model folder of the pipeline: the same dtype
+    assert main(["plan", str(folder / "transformer"), "--gpu-memory", "1MB", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["dtype"] == "float32" and report["weight_bytes"] == fp32["transformer"]

@@ -57,7 +57,8 @@ def main(argv: list[str] | None = None) -> int:
                            "it sees at its pipeline's default generation: 4608 for Flux at 1024x1024)")
     plan.add_argument("--strategy", default="auto", choices=["auto", "stream", "uva"])
     plan.add_argument("--dtype", default=None,
-                      help="dtype to plan in (default: a folder's checkpoint dtype; bfloat16 for built-ins)")
+                      help="dtype to plan in (default: a folder's checkpoint dtype, for a pipeline each "
+                           "component's; bfloat16 for built-ins)")
     plan.add_argument("--cpu-memory", default=None,
                       help='host memory for offloaded weights, as for from_pretrained (default: no limit)')
     plan.add_argument("--steps", type=int, default=None,
@@ -97,7 +98,7 @@ def _run(args: argparse.Namespace) -> int:
         _check_plan_options(args, pipeline)
         compress = {"auto": "auto", "true": True, "false": False}[args.compress]
         report = (plan_pipeline(args.model, args.gpu_memory, args.steps or DEFAULT_STEPS, args.strategy,
-                                compress=compress)
+                                compress=compress, dtype=args.dtype)
                   if pipeline
                   else plan_report(args.model, args.gpu_memory, args.tokens, args.strategy, dtype=args.dtype,
                                    cpu_memory=args.cpu_memory, compress=compress))

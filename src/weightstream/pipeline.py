@@ -333,27 +333,68 @@ def offload_pipeline(
     return handle
 
 
-def meta_diffusers_model(folder: str, class_name: str, dtype: torch.dtype = torch.bfloat16) -> nn.Module:
+# dtypes a module can be built in (torch's default dtype): the ones a stored checkpoint is counted in
+_BUILD_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def stored_dtype(folder: str) -> torch.dtype:
+    """The dtype a model folder's weights are stored in: the floating-point dtype holding most bytes of
+    its safetensors files (read from their headers; variant files such as `*.fp16.safetensors` only
+    when the folder has no others), else the `torch_dtype` (or `dtype`) its config.json names, else
+    bfloat16 (a folder of configs only)."""
+    import re
+    from pathlib import Path
+
+    from .checkpoint import _read_header, read_json
+    from .dtypes import parse_dtype
+
+    files = sorted(Path(folder).glob("*.safetensors"))
+    # model.safetensors, model-00001-of-00002.safetensors; a variant has a dot in its stem: model.fp16...
+    plain = [f for f in files if "." not in re.sub(r"-\d+-of-\d+$", "", f.stem)]
+    stored: dict[torch.dtype, int] = {}
+    for f in plain or files:
+        for t in _read_header(f).values():
+            if t.dtype in _BUILD_DTYPES:
+                stored[t.dtype] = stored.get(t.dtype, 0) + t.nbytes
+    if stored:
+        return max(stored, key=stored.get)
+    config = Path(folder) / "config.json"
+    fields = read_json(config) if config.is_file() else {}
+    named = fields.get("torch_dtype") or fields.get("dtype")  # transformers' name, then its newer one
+    try:
+        return parse_dtype(named) if named else torch.bfloat16
+    except ArgumentError:  # "auto" or a dtype a module cannot be built in
+        return torch.bfloat16
+
+
+def meta_diffusers_model(folder: str, class_name: str, dtype: torch.dtype | str | None = None) -> nn.Module:
     """A diffusers model (`class_name`, e.g. FluxTransformer2DModel) from the config.json in `folder`,
-    built in `dtype` on the meta device: sizes only, no weights read."""
+    built in `dtype` (default: the dtype its weights are stored in, `stored_dtype`) on the meta device:
+    sizes only, no weights read."""
     import diffusers
+
+    from .dtypes import parse_dtype
 
     cls = getattr(diffusers, class_name, None)
     if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
         raise ArgumentError(f"{folder}/config.json names _class_name {class_name!r}, which diffusers "
                             f"{diffusers.__version__} does not have")
+    dtype = stored_dtype(folder) if dtype is None else parse_dtype(dtype)
     with torch.device("meta"), default_dtype(dtype):
         model = cls.from_config(cls.load_config(folder))
     return model.eval().requires_grad_(False)
 
 
-def meta_components(folder: str, dtype: torch.dtype = torch.bfloat16) -> dict[str, nn.Module]:
+def meta_components(folder: str, dtype: torch.dtype | str | None = None) -> dict[str, nn.Module]:
     """The nn.Module components of a local diffusers pipeline folder (`model_index.json` and one
     subfolder with a config.json per component), built on the meta device: sizes, no memory, no weights
-    read. Tokenizers and schedulers are left out."""
+    read. Each is built in `dtype`, by default the dtype its own subfolder's weights are stored in
+    (`stored_dtype`: an fp32 pipeline is planned at fp32 sizes). Tokenizers and schedulers are left out."""
     import importlib
     import json
     import os
+
+    from .dtypes import parse_dtype
 
     with open(os.path.join(folder, "model_index.json")) as f:
         index = json.load(f)
@@ -366,27 +407,29 @@ def meta_components(folder: str, dtype: torch.dtype = torch.bfloat16) -> dict[st
         if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
             continue
         sub = os.path.join(folder, name)
+        built_in = stored_dtype(sub) if dtype is None else parse_dtype(dtype)
         if library != "transformers":
-            modules[name] = meta_diffusers_model(sub, class_name, dtype)
+            modules[name] = meta_diffusers_model(sub, class_name, built_in)
             continue
         from transformers import AutoConfig
 
-        with torch.device("meta"), default_dtype(dtype):
+        with torch.device("meta"), default_dtype(built_in):
             modules[name] = cls(AutoConfig.from_pretrained(sub)).eval().requires_grad_(False)
     return modules
 
 
 def plan_pipeline(folder: str, gpu_memory: int | str, steps: int = DEFAULT_STEPS,
                   strategy: str = "auto", profile: MachineProfile | None = None,
-                  compress: bool | str = "auto") -> dict:
+                  compress: bool | str = "auto", dtype: torch.dtype | str | None = None) -> dict:
     """`weightstream plan` for a pipeline folder: each component's placement under one `gpu_memory`
     budget (as `offload(pipe, ...)` would split it), its calls per generation, predicted ms and bytes on
-    the wire; plain data. Components are built in bf16 on the meta device from their configs (no
-    weights read), so compressed sizes are predicted for Hugging Face-initialized weights. compress: as
-    for `offload_pipeline` ("auto" plans raw groups on a machine without CUDA)."""
+    the wire; plain data. Components are built on the meta device from their configs (no weights read)
+    in `dtype`, by default each in the dtype its weights are stored in (`stored_dtype`; bfloat16 for a
+    folder of configs only), so compressed sizes are predicted for Hugging Face-initialized weights.
+    compress: as for `offload_pipeline` ("auto" plans raw groups on a machine without CUDA)."""
     if compress not in (True, False, "auto"):
         raise ArgumentError(f"compress={compress!r}: choose True, False or 'auto'")
-    modules = meta_components(folder)
+    modules = meta_components(folder, dtype)
     budget = parse_size(gpu_memory)
     calls, tokens = _resolve_calls(modules, steps, None, None)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -401,7 +444,9 @@ def plan_pipeline(folder: str, gpu_memory: int | str, steps: int = DEFAULT_STEPS
     for name, p in plans.items():
         pl = p.placement
         wire, raw = wire_of(costs[name], pl)
-        rows[name] = {"class": type(modules[name]).__name__, "calls": p.calls, "tokens": p.tokens,
+        dtype_name = str(next(modules[name].parameters(), torch.empty(0)).dtype).removeprefix("torch.")
+        rows[name] = {"class": type(modules[name]).__name__, "dtype": dtype_name, "calls": p.calls,
+                      "tokens": p.tokens,
                       "weight_bytes": pl.resident_bytes + pl.offloaded_bytes, "gpu_bytes": pl.gpu_bytes,
                       "resident_bytes": pl.resident_bytes, "streamed_blocks": len(pl.streamed),
                       "zero_copy_blocks": len(pl.uva), "slots": pl.n_slots, "slot_bytes": pl.slot_bytes,

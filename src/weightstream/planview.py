@@ -2,15 +2,28 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from .cost import predict
-from .hf import choose_disk_groups
+from .hf import choose_disk_groups, diffusers_class
 from .offload import prepare
 from .plan import wire_of
 from .probe import load_profile
 from .shapes import meta_model
 from .sizes import format_size, parse_size
+
+
+def _stored_diffusers_dtype(model_name: str) -> torch.dtype | None:
+    """The dtype a diffusers model folder's weights are stored in (as a pipeline folder's components are
+    planned), or None for anything else (a built-in shape, a transformers checkpoint: their defaults)."""
+    folder = Path(model_name)
+    if not (folder / "config.json").is_file() or diffusers_class(folder) is None:
+        return None
+    from .pipeline import stored_dtype
+
+    return stored_dtype(model_name)
 
 
 def plan_report(model_name: str, gpu_memory: int | str, tokens: int | None = None, strategy: str = "auto",
@@ -22,12 +35,12 @@ def plan_report(model_name: str, gpu_memory: int | str, tokens: int | None = Non
     4608 for Flux at 1024x1024, 4096 where no default is known), with predicted ms
     for decode (1 token) and prefill, or for a diffusers model one forward at `tokens`; plain data.
 
-    dtype: the dtype to plan in (default: a local checkpoint's own, as `from_pretrained` loads it;
-    bfloat16 for a built-in shape). cpu_memory: host memory for the offloaded weights, as for
-    `from_pretrained` (default: no limit). With the same arguments `from_pretrained` gets the same
-    placement. compress: as for `offload` (wire sizes predicted from Hugging Face-initialized weights'
-    ratio)."""
-    model = meta_model(model_name, dtype)
+    dtype: the dtype to plan in (default: a local checkpoint's own, as `from_pretrained` loads it; for a
+    diffusers model folder the dtype its weights are stored in; bfloat16 for a built-in shape).
+    cpu_memory: host memory for the offloaded weights, as for `from_pretrained` (default: no limit).
+    With the same arguments `from_pretrained` gets the same placement. compress: as for `offload` (wire
+    sizes predicted from Hugging Face-initialized weights' ratio)."""
+    model = meta_model(model_name, dtype if dtype is not None else _stored_diffusers_dtype(model_name))
     diffusers_model = type(model).__module__.startswith("diffusers")
     if tokens is None:
         from .pipeline import denoiser_tokens
