@@ -27,6 +27,7 @@ import weightstream.transfer as transfer_module
 import weightstream.wire as wire_module
 from weightstream.offload import OffloadHandle
 from weightstream.schedule import Schedule
+from weightstream.watch import TensorWatch
 
 
 class Race(AssertionError):
@@ -237,6 +238,7 @@ def engine(n_groups: int, n_slots: int, coded: list[bool], n_landing: int):
     handle._transfer, handle._capturing, handle._warned = transfer, False, True
     handle._lock, handle._owner = threading.Lock(), None
     handle.streamed_blocks = [f"block{g}" for g in range(n_groups)]
+    handle._watch, handle._check, handle._peft = TensorWatch([[] for _ in range(n_groups)]), False, {}
     return handle
 
 

@@ -145,6 +145,27 @@ def test_a_model_with_state_compiles_exactly_after_one_eager_forward():
     assert same_state(model, ref)
 
 
+def test_state_named_in_keep_resident_is_resident_from_the_start_so_compile_comes_first():
+    ref = chain(KVBlock)
+    names = [f"layers.{i}.cache" for i in range(4)]
+    model, handle = streamed(ref, 2, keep_resident=names)
+    assert handle.stats.resident_bytes == 4 * 8 * D * 4
+    torch._dynamo.reset()
+    compiled, compiled_ref = torch.compile(model, fullgraph=True), torch.compile(ref, fullgraph=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing is found to be state at run time: no warning
+        for step in range(3):
+            x, pos = torch.randn(2, D), torch.arange(2 * step, 2 * step + 2)
+            assert torch.equal(compiled(x, pos), compiled_ref(x, pos))
+    assert same_state(model, ref)
+
+
+def test_keep_resident_names_a_tensor_the_model_lacks():
+    with pytest.raises(ws.ArgumentError, match=r"keep_resident names layers\.0\.kache, which the model does "
+                                               "not have"):
+        streamed(chain(KVBlock), 2, keep_resident=["layers.0.kache"])
+
+
 # --- weights written in place -------------------------------------------------------------------------
 def linear_chain(seed: int = 0) -> Chain:
     torch.manual_seed(seed)

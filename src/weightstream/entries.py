@@ -90,8 +90,9 @@ class Entry:
         return place
 
 
-def _collect(model: nn.Module, blocks: list[nn.Module]) -> list[Entry]:
-    """Every distinct parameter and buffer of the model, with its sites and owning block."""
+def _collect(model: nn.Module, blocks: list[nn.Module], keep: frozenset[str] = frozenset()) -> list[Entry]:
+    """Every distinct parameter and buffer of the model, with its sites and owning block (none for a
+    tensor whose qualified name is in `keep`: it stays resident)."""
     block_of: dict[int, int] = {}
     for i, block in enumerate(blocks):
         for module in block.modules():
@@ -107,8 +108,8 @@ def _collect(model: nn.Module, blocks: list[nn.Module]) -> list[Entry]:
             site = TensorSite(module, name, is_param)
             entry = entries.get(id(tensor))
             if entry is None:
-                streamable = owner is not None and site.persistent
                 qualified = f"{module_name}.{name}" if module_name else name
+                streamable = owner is not None and site.persistent and qualified not in keep
                 entries[id(tensor)] = Entry(tensor, [site], owner if streamable else None, qualified)
             else:
                 entry.sites.append(site)

@@ -13,6 +13,7 @@ import os
 import threading
 import types
 import warnings
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -24,7 +25,7 @@ from .disk import DiskTier
 from .entries import _set_tensor
 from .errors import ArgumentError, BudgetError, OffloadStateError
 from .host import HostArena
-from .plan import Placement
+from .plan import Placement, placement_of
 from .prepare import Prepared, _plain, _resolve_device, final_places, prepare
 from .probe import MachineProfile
 from .schedule import Schedule
@@ -149,6 +150,7 @@ class OffloadHandle:
         self._patched: list[nn.Module] = []
         self._budget = prep.budget
         self._state_bytes = 0  # bytes of streamed tensors the model writes, kept resident since
+        self._state_names: list[str] = []  # their names (edit() keeps them resident when it offloads again)
         self._watch = TensorWatch(prep.groups)
         self._peft = peft_layers(prep.model, {id(e.tensor) for group in prep.groups for e, _ in group})
         self._check = check
@@ -238,6 +240,7 @@ class OffloadHandle:
                     f"with gpu_memory >= {format_size(self._budget - left + entry.nbytes)}",
                     self._budget - left + entry.nbytes)
             self._state_bytes += entry.nbytes
+            self._state_names.append(entry.name)
             self._unstream(group, w, w.tensor.detach().clone())
             warnings.warn(
                 f"weightstream: {entry.name} ({format_size(entry.nbytes)}) is written in place by block "
@@ -423,19 +426,22 @@ class OffloadHandle:
                 "edit() needs a model offloaded by weightstream.offload(); for one loaded with "
                 "from_pretrained: handle.restore('cpu'), edit, then weightstream.offload(model, ...)")
         args = dict(self._offload_args)
+        args["keep_resident"] = tuple(dict.fromkeys((*args["keep_resident"], *self._state_names)))
         self.restore("cpu")
         yield self.model
-        from .plan import Placement
-
         empty = Placement((), 0, 0, 0, 0)
         cost = prepare(self.model, 0, args["device"], args["blocks"], placement=empty,
-                       predict_wire=False).cost
+                       predict_wire=False, keep_resident=args["keep_resident"]).cost
         old = self._cost
+        p = self.placement
         if (cost.block_bytes, cost.tensor_bytes, cost.slot_bytes) == (old.block_bytes, old.tensor_bytes,
                                                                        old.slot_bytes):
-            args["placement"] = self.placement
-        else:
-            args["placement"] = None
+            args["placement"] = p
+        else:  # blocks changed size: the same blocks streamed and read in place, slots resized (None:
+            # that no longer fits the budget, and the planner places the model anew)
+            args["placement"] = placement_of(cost, p.streamed, p.n_slots, p.uva, p.part, budget=self._budget,
+                                             strategy=p.requested_strategy, compressed=p.compressed,
+                                             landing_buffers=p.landing_buffers or None)
         new = offload(self.model, **args)
         ops.unregister(new.engine_id)
         self.__dict__.clear()
@@ -560,6 +566,7 @@ def offload(
     placement: Placement | None = None,
     compress: bool | str = "auto",
     check: bool | None = None,
+    keep_resident: Collection[str] = (),
 ) -> OffloadHandle | PipelineHandle:
     """Offload `model` in place so its weights take at most `gpu_memory` on `device`; return the handle.
 
@@ -598,6 +605,9 @@ def offload(
         the tensor where something wrote streamed memory (slow: a host sync and a copy per block; not
         inside CUDA graph captures). None (default): on where the environment variable
         WEIGHTSTREAM_CHECK is set to anything but "" or "0".
+    keep_resident: qualified names of parameters or buffers (as `model.state_dict()` names them) to
+        keep on the device, counted in `gpu_memory`: state the model writes (a KV cache in buffers),
+        so it is resident from the start, also for a model compiled before its first forward.
 
     A tensor a block writes in its forward (a buffer it updates in place) is state, not a weight: it
     stays resident from that forward on, counted in `gpu_memory` (a warning names it; BudgetError where
@@ -624,7 +634,7 @@ def offload(
                                 compress=compress, profile=profile, check=check)
     prep = prepare(model, gpu_memory, device, blocks, strategy=strategy, tokens=tokens,
                    pin_memory=pin_memory, profile=profile, placement=placement,
-                   compress=compress)
+                   compress=compress, keep_resident=keep_resident)
     pin = pin_memory and prep.device.type == "cuda"
     sizes, coded = prep.host_group_bytes, frozenset()
     if prep.placement.compressed:
@@ -654,5 +664,5 @@ def offload(
     handle = finish(prep, arena, places, pin=pin, check=check)
     handle._offload_args = dict(gpu_memory=gpu_memory, device=device, pin_memory=pin_memory, blocks=blocks,
                                 strategy=strategy, tokens=tokens, profile=profile, placement=placement,
-                                compress=compress, check=check)
+                                compress=compress, check=check, keep_resident=tuple(keep_resident))
     return handle

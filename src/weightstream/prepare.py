@@ -6,6 +6,7 @@ the places) does the moving.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -213,6 +214,7 @@ def prepare(
     placement: Placement | None = None,
     compress: bool | str = "auto",
     predict_wire: bool | None = None,
+    keep_resident: Collection[str] = (),
 ) -> Prepared:
     """Check the model and plan what stays on `device`, what streams and what is read in place
     (zero copy); moves nothing yet.
@@ -222,7 +224,7 @@ def prepare(
     `offload`. host_bytes: host memory for the offloaded weights (see `plan.plan`; None: no limit).
     predict_wire: give the cost each tensor's predicted compressed size (`codec.choose`, about 6 ms per
     72 MiB tensor) unless `compress` is False; None: only when the planner runs (no `placement`
-    given), since an explicit placement does not use them.
+    given), since an explicit placement does not use them. keep_resident: see `offload`.
     """
     budget = parse_size(gpu_memory)
     device = _resolve_device(device)
@@ -235,7 +237,16 @@ def prepare(
         )
     found = find_blocks(model, blocks)
     block_modules = [b.module for b in found]
-    entries = _collect(model, block_modules)
+    if isinstance(keep_resident, str):
+        raise ArgumentError(f"keep_resident={keep_resident!r}: give a list of tensor names, e.g. "
+                            "['layers.0.attn.k_cache']")
+    keep = frozenset(keep_resident)
+    entries = _collect(model, block_modules, keep)
+    unknown = keep - {e.name for e in entries}
+    if unknown:
+        raise ArgumentError(f"keep_resident names {', '.join(sorted(unknown))}, which the model does not "
+                            "have: give qualified names of parameters or buffers as model.state_dict() "
+                            "lists them")
     _check_model(model, found, entries, allow_meta)
 
     per_block: list[list[Entry]] = [[] for _ in found]
