@@ -254,14 +254,8 @@ class OffloadHandle:
         mode), else for `group`'s. A rebinding is adopted; an in-place write landed in whichever group
         the slot held, so it is discarded (the slots are refilled) and refused with an error."""
         full = self._check or self._schedule.pass_start in (None, group)
-        found = (self._watch.all_changes() if full
-                 else [(group, w, c) for w, c in self._watch.changes(group)])
-        written = []
-        for g, w, change in found:
-            if change == REBOUND:
-                self._unstream(g, w, None)
-            else:
-                written.append(w)
+        written = self._adopt_rebound(self._watch.all_changes() if full
+                                      else [(group, w, c) for w, c in self._watch.changes(group)])
         merged = [m for m, n in self._peft.items() if len(m.merged_adapters) != n] if full else []
         if not written and not merged:
             return
@@ -304,12 +298,17 @@ class OffloadHandle:
         """Adopt every streamed tensor the model rebound since the last forward (so `state_dict()` and
         `restore()` see what the model holds); return the names of those written in place outside any
         block's forward (their writes went to staging buffers)."""
+        return [w.entry.name for w in self._adopt_rebound(self._watch.all_changes())]
+
+    def _adopt_rebound(self, found: list[tuple[int, Watched, str]]) -> list[Watched]:
+        """Adopt each rebound tensor of `found` ((group, watched, change) triples, as
+        `TensorWatch.all_changes` gives them); return those written in place instead."""
         written = []
-        for g, w, change in self._watch.all_changes():
+        for g, w, change in found:
             if change == REBOUND:
                 self._unstream(g, w, None)
             else:
-                written.append(w.entry.name)
+                written.append(w)
         return written
 
     def _verify(self, group: int, when: str) -> None:
