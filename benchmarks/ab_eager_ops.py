@@ -18,10 +18,10 @@ import torch
 from diag_eager_host import build, emit  # the script's folder is on sys.path
 
 import weightstream as ws
-from weightstream import streamed
 from weightstream.bench.runner import resolve_budget
 from weightstream.bench.shapes import shape_weight_bytes
-from weightstream.timing import time_calls
+from weightstream.engine import streamed
+from weightstream.placement.timing import time_calls
 
 
 def main() -> int:

@@ -27,12 +27,12 @@ import torch
 from torch import nn
 
 import weightstream as ws
-from weightstream import codec
-from weightstream.blocks import find_blocks
-from weightstream.layout import pack
-from weightstream.probe import copy_seconds_per_byte
-from weightstream.shapes import SHAPES
-from weightstream.timing import capture_graph, time_calls
+from weightstream.engine.layout import pack
+from weightstream.placement.blocks import find_blocks
+from weightstream.placement.probe import copy_seconds_per_byte
+from weightstream.placement.shapes import SHAPES
+from weightstream.placement.timing import capture_graph, time_calls
+from weightstream.wire import codec
 
 PHASES = {"decode-b1": (1, 1), "decode-b64": (64, 1), "prefill-2048": (1, 2048)}
 
@@ -98,7 +98,7 @@ def run_phases(model: nn.Module, inputs: dict, reps: int, compiled: bool, graphs
 
 def decoder_rate(handle, device: torch.device) -> float:
     """GB/s of decoded bytes of one real compressed group (standalone kernel launches)."""
-    from weightstream import codec_triton
+    from weightstream.wire import triton_decoder as codec_triton
 
     enc = next((e for e in handle._wire if e is not None), None)
     if enc is None:

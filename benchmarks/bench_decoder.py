@@ -12,8 +12,9 @@ import statistics
 
 import torch
 
-from weightstream import codec, codec_triton
-from weightstream.timing import time_calls
+from weightstream.placement.timing import time_calls
+from weightstream.wire import codec
+from weightstream.wire import triton_decoder as codec_triton
 
 
 def main() -> None:

@@ -24,8 +24,8 @@ import torch
 
 import weightstream as ws
 from weightstream.bench.measure import h2d_bandwidth, link_bound_ms
+from weightstream.placement.timing import capture_graph, time_calls
 from weightstream.sizes import parse_size
-from weightstream.timing import capture_graph, time_calls
 
 T5_XXL = dict(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_decoder_layers=24,
               num_heads=64, feed_forward_proj="gated-gelu", tie_word_embeddings=False,

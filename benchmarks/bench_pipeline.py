@@ -63,7 +63,7 @@ import weightstream as ws
 from weightstream.bench.measure import h2d_bandwidth
 from weightstream.bench.memory import allocated, module_bytes
 from weightstream.bench.methods import version_of
-from weightstream.timing import sync
+from weightstream.placement.timing import sync
 
 ROOT = Path(__file__).resolve().parent.parent
 PEERS = ("diffusers-group", "diffusers-model_cpu_offload", "diffusers-sequential_cpu_offload")

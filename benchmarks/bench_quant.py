@@ -2,13 +2,13 @@
 
 For each variant of the same random Llama-3-8B-shaped model (bf16 weights; decoder linears in fp8
 float8_e4m3fn with 128x128 float32 `weight_scale_inv`, as transformers' fine-grained FP8 lays it out,
-run through `weightstream.fp8.Fp8Linear`; torchao int4 weight-only, tinygemm-packed, group 128, when
+run through `weightstream.formats.fp8.Fp8Linear`; torchao int4 weight-only, tinygemm-packed, group 128, when
 torchao runs here):
 1. the resident model's one-token logits (the reference);
 2. `ws.offload(strategy="stream", tokens=1)` at 25% of the variant's stored bytes, or, where that
    cannot hold what must stay resident plus two slots of one layer, the smallest budget that can
    (both recorded);
-3. one-token forward, eager, no KV cache: median ms of CUDA-event timings (`weightstream.timing`),
+3. one-token forward, eager, no KV cache: median ms of CUDA-event timings (`weightstream.placement.timing`),
    exactness (`torch.equal`) against the resident logits, and the link bound = streamed bytes / the
    pinned host->GPU rate measured in the same run.
 Writes quant_llama-3-8b.json and quant_llama-3-8b.log into the output folder. About 2-3 minutes on an
@@ -32,13 +32,13 @@ import torch
 from torch import nn
 
 import weightstream as ws
-from weightstream import fp8
-from weightstream.blocks import find_blocks
-from weightstream.entries import _collect
-from weightstream.layout import align_up
-from weightstream.probe import copy_seconds_per_byte
-from weightstream.shapes import SHAPES
-from weightstream.timing import time_calls
+from weightstream.engine.layout import align_up
+from weightstream.formats import fp8
+from weightstream.placement.blocks import find_blocks
+from weightstream.placement.entries import _collect
+from weightstream.placement.probe import copy_seconds_per_byte
+from weightstream.placement.shapes import SHAPES
+from weightstream.placement.timing import time_calls
 
 _LOG: list[str] = []
 

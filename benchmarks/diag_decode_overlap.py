@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from weightstream import codec, codec_triton
+from weightstream.wire import codec
+from weightstream.wire import triton_decoder as codec_triton
 
 
 def probe_a(lines: list[str]) -> None:

@@ -13,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from weightstream import codec
-from weightstream.timing import time_calls
+from weightstream.placement.timing import time_calls
+from weightstream.wire import codec
 
 
 @triton.jit

@@ -31,7 +31,7 @@ import weightstream as ws
 from weightstream.bench.causal_lm import CAUSAL_LM
 from weightstream.bench.phases import parse_phase
 from weightstream.bench.shapes import build_model, get_shape, resolve_phase, shape_weight_bytes
-from weightstream.timing import time_calls
+from weightstream.placement.timing import time_calls
 
 BLOCKING = ("Synchronize", "cudaMemcpy", "cuMemcpy", "cudaFree", "cudaMalloc", "cudaHostAlloc",
             "cudaHostRegister", "cudaHostUnregister")  # runtime calls that may block the host
@@ -40,7 +40,7 @@ BLOCKING = ("Synchronize", "cudaMemcpy", "cuMemcpy", "cudaFree", "cudaMalloc", "
 def timed(forward, device: torch.device, reps: int) -> tuple[float, float]:
     """Median host ms to enqueue one forward (each call started on an idle device, so the host never
     waits for a full launch queue) and median ms per forward of `reps` called back to back
-    (`weightstream.timing.time_calls`, as the bench timed the 51-60 ms), after two warm-ups."""
+    (`weightstream.placement.timing.time_calls`, as the bench timed the 51-60 ms), after two warm-ups."""
     for _ in range(2):
         forward()
     host = []
@@ -82,7 +82,7 @@ def launch_probe(device: torch.device, kernels: int = 2000) -> list[str]:
     a large pinned host->GPU copy on a side stream, and beside a kernel reading pinned host memory in
     place (zero copy). Kernel launches are fetched by the GPU over the same link (one hypothesis for
     the eager slowdown: the fetches queue behind the copy's traffic)."""
-    from weightstream.uva import uva_view
+    from weightstream.engine.uva import uva_view
 
     nbytes = 4 << 30
     host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()

@@ -39,16 +39,16 @@ from conftest import with_boundaries
 import weightstream as ws
 from weightstream.bench.diffusion import FLUX_DEV, TINY_FLUX, Diffusion
 from weightstream.bench.phases import Phase
-from weightstream.plan import placement_of
-from weightstream.prepare import prepare
+from weightstream.placement.plan import placement_of
+from weightstream.placement.prepare import prepare
 
 
 def packed(model):
     """`model` (resident) with each block's parameters and buffers moved into one buffer per block, at
     the aligned offsets a slot would give them (`layout.pack`): the weights' memory laid out as
     offloaded, each block in memory of its own (slots are shared by blocks two apart)."""
-    from weightstream.blocks import find_blocks
-    from weightstream.layout import pack
+    from weightstream.engine.layout import pack
+    from weightstream.placement.blocks import find_blocks
 
     for block in find_blocks(model):
         tensors = [*block.module.parameters(), *block.module.buffers()]

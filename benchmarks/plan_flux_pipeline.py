@@ -21,7 +21,7 @@ from pathlib import Path
 
 import weightstream as ws
 from weightstream.pipeline import _resolve_calls, component_costs, modules_of, split_budget
-from weightstream.plan import plan
+from weightstream.placement.plan import plan
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_pipeline import example  # noqa: E402  (examples/flux_offload.py as a module)

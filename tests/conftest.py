@@ -143,9 +143,9 @@ def with_boundaries(model, names: list[str] | None = None):
     """`model` (resident) with the tensors of its blocks (those named, default all) passed through the
     (idle) ops, as offloaded: the reference for compiled models whose resident graph fuses across
     block edges (docs/exactness.md)."""
-    from weightstream import ops
-    from weightstream.blocks import find_blocks
-    from weightstream.streamed import _streamed_class
+    from weightstream.engine import ops
+    from weightstream.engine.streamed import _streamed_class
+    from weightstream.placement.blocks import find_blocks
 
     model._boundaries = Boundaries()  # the registry holds engines weakly
     engine_id = ops.register(model._boundaries)

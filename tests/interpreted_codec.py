@@ -10,11 +10,11 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from test_codec import hf_init, tensors
 
-from weightstream import codec
-from weightstream.layout import pack
+from weightstream.engine.layout import pack
+from weightstream.wire import codec
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "start this Python with TRITON_INTERPRET=1"
-from weightstream import codec_triton  # noqa: E402 - after the check: compiled kernels need a GPU
+from weightstream.wire import triton_decoder as codec_triton  # noqa: E402 - after the check: compiled kernels need a GPU
 
 
 @settings(max_examples=100, deadline=None)

@@ -5,7 +5,7 @@ import torch
 
 from weightstream.bench import shapes
 from weightstream.bench.memory import module_bytes
-from weightstream.shapes import SHAPES as PLANNING_SHAPES
+from weightstream.placement.shapes import SHAPES as PLANNING_SHAPES
 
 
 def test_every_planning_shape_is_a_bench_shape_with_its_fields():

@@ -16,7 +16,7 @@ from torch import nn
 
 import weightstream as ws
 from weightstream.offload import prepare
-from weightstream.plan import placement_of
+from weightstream.placement.plan import placement_of
 
 DIM = 6
 TENSOR = "T"  # a placeholder for a tensor leaf in a drawn structure

@@ -19,9 +19,9 @@ from hypothesis import strategies as st
 from torch import nn
 
 import weightstream as ws
-from weightstream import replay
+from weightstream.engine import replay
 from weightstream.offload import prepare
-from weightstream.plan import landing_options, placement_of
+from weightstream.placement.plan import landing_options, placement_of
 
 DIM = 8
 N_BLOCKS = 5
@@ -213,7 +213,7 @@ def test_every_call_order_is_exact(kind, placement, actions, direct):
     ref, model = twin(kind)
     streamed, n_slots, uva, part = placement
     handle = forced(model, streamed, n_slots, uva, part)
-    ws.streamed.EAGER_DIRECT = direct
+    ws.engine.streamed.EAGER_DIRECT = direct
     try:
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -221,7 +221,7 @@ def test_every_call_order_is_exact(kind, placement, actions, direct):
                 run_action(action, ref, model, handle, step)
             run_action(("forward",), ref, model, handle, len(actions))  # and an ordinary forward after all
     finally:
-        ws.streamed.EAGER_DIRECT = True
+        ws.engine.streamed.EAGER_DIRECT = True
     handle.restore()
 
 
@@ -411,7 +411,7 @@ def test_a_model_with_idle_ops_at_its_edges_runs_eagerly_like_itself():
     model's output. An engine lacking a method is refused when registered."""
     from conftest import make_model, with_boundaries
 
-    from weightstream import ops
+    from weightstream.engine import ops
 
     ref = make_model("llama")
     edges = with_boundaries(copy.deepcopy(ref))

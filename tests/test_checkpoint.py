@@ -4,7 +4,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from weightstream.checkpoint import CheckpointError, read_index, read_into
+from weightstream.formats.checkpoint import CheckpointError, read_index, read_into
 
 
 def test_read_index_and_read_into_give_the_saved_bytes(tmp_path):

@@ -13,8 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from weightstream import codec
-from weightstream.layout import pack
+from weightstream.engine.layout import pack
+from weightstream.wire import codec
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.int8, torch.int64, torch.uint8,
           torch.float8_e4m3fn]
@@ -186,7 +186,7 @@ def test_the_interpreted_kernel_covers_every_kind_and_code_width():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gpu_encoder_and_triton_decoder_match_the_reference(dtype):
-    from weightstream import codec_triton
+    from weightstream.wire import triton_decoder as codec_triton
 
     every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
     parts = [hf_init(600_017, dtype, 1), every, hf_init(1000, dtype, 2),

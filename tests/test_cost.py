@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from weightstream.cost import ModelCost, largest, predict
-from weightstream.probe import MachineProfile
+from weightstream.placement.cost import ModelCost, largest, predict
+from weightstream.placement.probe import MachineProfile
 
 # 1 byte/s copies; resident GEMMs 0.1 s/byte; zero copy 2 s/byte: easy arithmetic
 PROFILE = MachineProfile("test", copy_s_per_byte=1.0, resident={1: 0.1, 2048: 0.1}, uva={1: 2.0, 2048: 2.0})

@@ -3,10 +3,10 @@
 import torch
 from safetensors.torch import save_file
 
-from weightstream.checkpoint import read_index
-from weightstream.disk import DiskPrefetcher, DiskTier
-from weightstream.diskcache import DiskCache
-from weightstream.layout import pack
+from weightstream.engine.layout import pack
+from weightstream.formats.checkpoint import read_index
+from weightstream.formats.disk import DiskPrefetcher, DiskTier
+from weightstream.formats.diskcache import DiskCache
 
 
 class Done:  # stands in for a CUDA event that has already fired

@@ -31,7 +31,7 @@ def test_every_error_class_is_a_weightstream_error():
                                             "InferenceOnlyError", "OffloadStateError", "PinnedMemoryError"}
     assert all(issubclass(c, ws.WeightstreamError) for c in classes)
     assert ws.CheckpointError is errors.CheckpointError  # one home, re-exported
-    from weightstream.checkpoint import CheckpointError
+    from weightstream.formats.checkpoint import CheckpointError
 
     assert CheckpointError is errors.CheckpointError
 

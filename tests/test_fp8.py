@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 import weightstream as ws
-from weightstream import fp8
+from weightstream.formats import fp8
 
 BLOCK = (32, 32)
 

@@ -15,12 +15,12 @@ from conftest import make_model, state_copy, weight_bytes
 from test_offload import Toy, check_peek_model
 
 import weightstream as ws
-from weightstream.blocks import find_blocks
-from weightstream.guards import live_parameters
+from weightstream.engine.guards import live_parameters
 from weightstream.offload import prepare
-from weightstream.plan import placement_of
-from weightstream.probe import H200
-from weightstream.timing import capture_graph
+from weightstream.placement.blocks import find_blocks
+from weightstream.placement.plan import placement_of
+from weightstream.placement.probe import H200
+from weightstream.placement.timing import capture_graph
 
 pytestmark = pytest.mark.gpu
 
@@ -332,5 +332,5 @@ def test_eager_blocks_on_the_gpu_keep_weight_views_and_see_the_callers_tensors(d
     overwrites, asynchronously) still gives its own bytes, direct (`ops.eager`: the view is copied
     before the release) and through the ops (their copies, made before the release too); direct, the
     blocks compute from the caller's tensors and their in-place writes reach it, as resident."""
-    monkeypatch.setattr(ws.streamed, "EAGER_DIRECT", direct)
+    monkeypatch.setattr(ws.engine.streamed, "EAGER_DIRECT", direct)
     check_peek_model("cuda", n=6, dim=256, forwards=3, profile=H200, compress=False)

@@ -15,8 +15,8 @@ from test_call_orders import CODED_DIM, DIM, N_BLOCKS, Model
 
 import weightstream as ws
 from weightstream.offload import prepare
-from weightstream.plan import placement_of
-from weightstream.timing import capture_graph
+from weightstream.placement.plan import placement_of
+from weightstream.placement.timing import capture_graph
 
 pytestmark = pytest.mark.gpu
 

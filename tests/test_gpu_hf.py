@@ -8,7 +8,7 @@ from conftest import make_model, weight_bytes
 from transformers import AutoModelForCausalLM
 
 import weightstream as ws
-from weightstream import hf
+from weightstream.formats import hf
 
 pytestmark = pytest.mark.gpu
 
@@ -106,7 +106,7 @@ def test_compressed_disk_tier_on_the_gpu_lands_and_decodes_blobs_exactly(folder,
     """compress=True with groups on disk: their blobs come from the cache file through the pinned bounce
     buffers into the landing buffers and are decoded into the slots (forced: stream, reference profile,
     compress=True prefers a compressed placement wherever one fits)."""
-    from weightstream.wire import CodedCudaTransfer
+    from weightstream.wire.groups import CodedCudaTransfer
 
     reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval().cuda()
     load = dict(gpu_memory=int(weight_bytes(reference) * 0.75), progress=False, strategy="stream",

@@ -21,8 +21,8 @@ from model_zoo import ZOO, call, same
 
 import weightstream as ws
 from weightstream.offload import prepare
-from weightstream.plan import placement_of
-from weightstream.timing import capture_graph
+from weightstream.placement.plan import placement_of
+from weightstream.placement.timing import capture_graph
 
 pytestmark = pytest.mark.gpu
 pytest.importorskip("diffusers")

@@ -15,11 +15,11 @@ from test_subclass import assert_same_state, state_leaves, stored_bytes
 from torch import nn
 
 import weightstream as ws
-from weightstream import fp8, subclass
-from weightstream.blocks import find_blocks
-from weightstream.entries import _collect
-from weightstream.guards import live_parameters
-from weightstream.layout import align_up
+from weightstream.engine.guards import live_parameters
+from weightstream.engine.layout import align_up
+from weightstream.formats import fp8, subclass
+from weightstream.placement.blocks import find_blocks
+from weightstream.placement.entries import _collect
 
 pytestmark = pytest.mark.gpu
 

@@ -14,9 +14,9 @@ from torch import nn
 
 import weightstream as ws
 from weightstream.errors import OffloadStateError
-from weightstream.plan import placement_of
-from weightstream.prepare import prepare
-from weightstream.timing import capture_graph
+from weightstream.placement.plan import placement_of
+from weightstream.placement.prepare import prepare
+from weightstream.placement.timing import capture_graph
 
 pytestmark = pytest.mark.gpu
 HEADROOM = 1 << 20

@@ -16,7 +16,7 @@ from conftest import hf_config, make_model, state_copy, weight_bytes
 from transformers import AutoModelForCausalLM
 
 import weightstream as ws
-from weightstream.guards import live_parameters
+from weightstream.engine.guards import live_parameters
 
 
 def ids_for(seed: int = 0, batch: int = 2, length: int = 9, device: str = "cpu") -> torch.Tensor:

@@ -1,7 +1,7 @@
 import torch
 
-from weightstream import host, replay
-from weightstream.host import HostArena
+from weightstream.engine import host, replay
+from weightstream.engine.host import HostArena
 
 
 def test_arena_is_exact_size_with_disjoint_group_regions():

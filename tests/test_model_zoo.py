@@ -15,9 +15,9 @@ from conftest import with_boundaries
 from model_zoo import ZOO, call, same
 
 import weightstream as ws
-from weightstream.blocks import find_blocks
 from weightstream.offload import prepare
-from weightstream.plan import placement_of
+from weightstream.placement.blocks import find_blocks
+from weightstream.placement.plan import placement_of
 
 pytest.importorskip("diffusers")
 

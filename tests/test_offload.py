@@ -11,8 +11,8 @@ from conftest import ARCHS, in_order_copies, state_copy, weight_bytes
 from torch import nn
 
 import weightstream as ws
-from weightstream.cost import largest
-from weightstream.guards import live_parameters
+from weightstream.engine.guards import live_parameters
+from weightstream.placement.cost import largest
 
 
 def ids_for(seed: int = 0, batch: int = 2, length: int = 9) -> torch.Tensor:
@@ -283,10 +283,10 @@ def test_a_model_dropped_without_restore_frees_its_engine():
 
     _, model = toy_twin()
     engine_id = toy_streaming_all(model).engine_id
-    assert engine_id in ws.ops._ENGINES
+    assert engine_id in ws.engine.ops._ENGINES
     del model
     gc.collect()
-    assert engine_id not in ws.ops._ENGINES
+    assert engine_id not in ws.engine.ops._ENGINES
 
 
 # --- bad input --------------------------------------------------------------------------------------
@@ -354,7 +354,7 @@ def test_a_compiled_forward_after_restore_says_what_to_do():
     engine_id = handle.engine_id
     handle.restore()
     with pytest.raises(ws.OffloadStateError, match="compile or capture the model again"):
-        ws.ops.wait([torch.ones(2)], engine_id, 0)
+        ws.engine.ops.wait([torch.ones(2)], engine_id, 0)
 
 
 # --- the planner's inputs ---------------------------------------------------------------------------
@@ -365,9 +365,10 @@ def test_a_given_profile_is_the_planners_only_machine_input(monkeypatch):
     import dataclasses
     import importlib
 
-    from weightstream.plan import plan
+    from weightstream.placement.plan import plan
 
-    offload_module = importlib.import_module("weightstream.prepare")  # where prepare() reads the profile
+    # where prepare() reads the profile
+    offload_module = importlib.import_module("weightstream.placement.prepare")
 
     def no_machine(*args, **kwargs):
         raise AssertionError("the machine's profile was read")
@@ -425,7 +426,7 @@ def check_peek_model(device: str, n: int, dim: int, forwards: int, **offload_kw)
     `forwards` forwards against its resident twin on `device` (also the GPU test's body): the outputs
     and each block's weight row are exact; with `streamed.EAGER_DIRECT` the blocks computed from the
     caller's tensors, without it from the ops' copies."""
-    direct = ws.streamed.EAGER_DIRECT
+    direct = ws.engine.streamed.EAGER_DIRECT
     torch.manual_seed(0)
     ref = PeekModel(n, dim).to(device).eval().requires_grad_(False)
     model = copy.deepcopy(ref)
@@ -465,5 +466,5 @@ def test_eager_blocks_see_the_callers_tensors_and_never_a_slot_the_next_copy_ove
     """direct: the eager path (`ops.eager`); False: through the custom ops, as a compiled forward runs
     (their copies hide a block's in-place writes from the caller, but a weight view it returns must
     still be copied before the next group lands)."""
-    monkeypatch.setattr(ws.streamed, "EAGER_DIRECT", direct)
+    monkeypatch.setattr(ws.engine.streamed, "EAGER_DIRECT", direct)
     check_peek_model("cpu", n=4, dim=16, forwards=2)

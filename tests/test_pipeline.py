@@ -14,12 +14,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import weightstream as ws
-import weightstream.prepare
-from weightstream.cost import ModelCost
+import weightstream.placement.prepare
 from weightstream.errors import ArgumentError, BudgetError, OffloadStateError
 from weightstream.pipeline import PipelineHandle, _merge, front, modules_of, split_budget
-from weightstream.plan import _candidates, landing_options, placement_of
-from weightstream.probe import H200
+from weightstream.placement.cost import ModelCost
+from weightstream.placement.plan import _candidates, landing_options, placement_of
+from weightstream.placement.probe import H200
 
 pytest.importorskip("diffusers")
 
@@ -131,8 +131,8 @@ def test_a_compressed_pipeline_is_exact_and_its_groups_cross_the_link_smaller(wi
     assert "compress='auto' fits in" in str(err.value)  # what the landing buffers cost
     budget = err.value.minimum_bytes  # one slot and one landing buffer each
     predicted = []  # each tensor's wire size is predicted for the split, not again for its offload
-    wire_nbytes = weightstream.prepare._wire_nbytes
-    monkeypatch.setattr(weightstream.prepare, "_wire_nbytes",
+    wire_nbytes = weightstream.placement.prepare._wire_nbytes
+    monkeypatch.setattr(weightstream.placement.prepare, "_wire_nbytes",
                         lambda e: predicted.append(id(e.tensor)) or wire_nbytes(e))
     handle = ws.offload(pipe, gpu_memory=budget, device="cpu", strategy="stream", compress=True)
     monkeypatch.undo()

@@ -6,11 +6,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from weightstream.cost import ModelCost
+from weightstream.engine.layout import pack
 from weightstream.errors import ArgumentError, BudgetError, WeightstreamError
-from weightstream.layout import pack
-from weightstream.plan import host_need, plan, spread
-from weightstream.probe import H200
+from weightstream.placement.cost import ModelCost
+from weightstream.placement.plan import host_need, plan, spread
+from weightstream.placement.probe import H200
 
 blocks_st = st.lists(st.integers(min_value=1, max_value=10**8), min_size=1, max_size=12)
 model_st = st.builds(
@@ -197,7 +197,7 @@ def test_mixture_of_experts_decode_reads_routed_experts_in_place_and_prefill_str
     streaming wins."""
     pytest.importorskip("transformers")
     from weightstream.offload import prepare
-    from weightstream.shapes import meta_model
+    from weightstream.placement.shapes import meta_model
 
     model = meta_model("mixtral-8x7b")
     budget = int(0.25 * sum(p.numel() * p.element_size() for p in model.parameters()))

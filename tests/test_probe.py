@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from weightstream.probe import H200, REF_WIDTH, MachineProfile, cached_profile, reference_block
+from weightstream.placement.probe import H200, REF_WIDTH, MachineProfile, cached_profile, reference_block
 
 
 def test_profile_round_trips_through_json():
@@ -45,7 +45,7 @@ def test_a_cached_profile_counts_only_with_block_times_and_this_decoder(tmp_path
     import dataclasses
     import importlib.util
 
-    from weightstream.codec import DECODER_VERSION
+    from weightstream.wire.codec import DECODER_VERSION
 
     path = tmp_path / "profile.json"
     assert cached_profile(path) is None  # nothing cached
@@ -70,7 +70,7 @@ def test_a_cached_profile_counts_only_with_block_times_and_this_decoder(tmp_path
 
 
 def test_dequant_ratio_defaults_interpolates_and_holds_past_the_ends():
-    from weightstream.probe import DEQUANT_DEFAULT, H200, MachineProfile
+    from weightstream.placement.probe import DEQUANT_DEFAULT, H200, MachineProfile
 
     assert H200.dequant_ratio(1) == DEQUANT_DEFAULT[1] and H200.dequant_ratio(10**6) == DEQUANT_DEFAULT[2048]
     p = MachineProfile("t", 1.0, {1: 1.0}, {1: 1.0}, dequant={1: 3.0, 100: 1.0})

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from weightstream.schedule import Schedule
+from weightstream.engine.schedule import Schedule
 
 
 class SimulatedSlots:

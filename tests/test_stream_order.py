@@ -23,11 +23,11 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import weightstream.transfer as transfer_module
-import weightstream.wire as wire_module
+import weightstream.engine.transfer as transfer_module
+import weightstream.wire.groups as wire_module
+from weightstream.engine.schedule import Schedule
+from weightstream.engine.watch import TensorWatch
 from weightstream.offload import OffloadHandle
-from weightstream.schedule import Schedule
-from weightstream.watch import TensorWatch
 
 
 class Race(AssertionError):

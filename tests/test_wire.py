@@ -12,9 +12,9 @@ import torch
 from conftest import ARCHS, in_order_copies, make_model, state_copy, weight_bytes
 
 import weightstream as ws
-from weightstream.cost import ModelCost, predict
-from weightstream.plan import placement_of, plan
-from weightstream.probe import H200
+from weightstream.placement.cost import ModelCost, predict
+from weightstream.placement.plan import placement_of, plan
+from weightstream.placement.probe import H200
 
 
 def ids_for(seed: int = 0, batch: int = 2, length: int = 9, device: str = "cpu") -> torch.Tensor:
@@ -167,7 +167,7 @@ def _gpu_twin(arch="llama"):
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch", ["llama", "mixtral"])
 def test_gpu_compressed_eager_graph_and_restore_are_exact(arch):
-    from weightstream.timing import capture_graph
+    from weightstream.placement.timing import capture_graph
 
     ref, model = _gpu_twin(arch)
     original = state_copy(model)
@@ -228,7 +228,7 @@ def test_groups_too_big_for_the_landing_buffer_stream_raw_and_no_triton_on_cpu()
     import sys
 
     from weightstream.offload import prepare
-    from weightstream.wire import encode_groups
+    from weightstream.wire.groups import encode_groups
 
     _, model = bf16_twin("llama")
     prep = prepare(model, int(weight_bytes(model) * 0.75), "cpu", strategy="stream", compress=True)
@@ -237,7 +237,7 @@ def test_groups_too_big_for_the_landing_buffer_stream_raw_and_no_triton_on_cpu()
     assert all(enc is not None and enc.blob.is_meta for enc in coded)  # sizes only, nothing kept
     assert encode_groups(groups, sizes, min(e.wire_bytes for e in coded) - 1, torch.device("cpu")) == \
         [None] * len(groups)
-    assert "weightstream.codec_triton" not in sys.modules  # the CPU path never imports Triton
+    assert "weightstream.wire.triton_decoder" not in sys.modules  # the CPU path never imports Triton
 
 
 def test_the_state_dict_of_a_compressed_model_is_the_true_weights():

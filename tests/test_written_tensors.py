@@ -1,5 +1,5 @@
 """Tensors a model writes, weights edited in place, hooks that read weights, and the check mode
-(src/weightstream/watch.py): each against the resident model doing the same, on the CPU backend with
+(src/weightstream/engine/watch.py): each against the resident model doing the same, on the CPU backend with
 every block streaming through forced slots."""
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from torch import nn
 
 import weightstream as ws
 from weightstream.errors import BudgetError, OffloadStateError
-from weightstream.plan import placement_of
-from weightstream.prepare import prepare
+from weightstream.placement.plan import placement_of
+from weightstream.placement.prepare import prepare
 
 D = 16
 HEADROOM = 1 << 16  # budget beyond the forced placement: room for state kept resident

@@ -17,12 +17,12 @@ from .errors import (
     UnsupportedTensorError,
     WeightstreamError,
 )
-from .hf import from_pretrained
+from .formats.hf import from_pretrained
 from .offload import OffloadHandle, OffloadStats, handle_of, offload
 from .pipeline import PipelineHandle, PipelineStats
-from .plan import Placement
-from .probe import H200 as REFERENCE_PROFILE
-from .probe import MachineProfile
+from .placement.plan import Placement
+from .placement.probe import H200 as REFERENCE_PROFILE
+from .placement.probe import MachineProfile
 from .sizes import format_size, parse_size
 
 __all__ = [

@@ -136,7 +136,7 @@ def _check_plan_options(args: argparse.Namespace, pipeline: bool) -> None:
 def _probe(refresh: bool) -> int:
     import torch
 
-    from .probe import cache_path, cached_profile, load_profile
+    from .placement.probe import cache_path, cached_profile, load_profile
 
     if not torch.cuda.is_available():
         print("weightstream probe: no CUDA GPU here; the planner uses the reference H200 profile")

@@ -10,7 +10,7 @@ import torch
 
 from .errors import ArgumentError, BudgetError
 from .offload import offload
-from .prepare import _resolve_device, prepare
+from .placement.prepare import _resolve_device, prepare
 from .sizes import format_size
 
 # Built-in shapes: random weights, no download. "gpu" is ~2.2 GB in bf16, "cpu" ~14 MB in fp32.

@@ -10,7 +10,7 @@ import torch
 
 from .dtypes import parse_dtype
 from .errors import ArgumentError, CheckpointError
-from .hf import checkpoint_folder, from_pretrained, model_class, read_config
+from .formats.hf import checkpoint_folder, from_pretrained, model_class, read_config
 from .offload import handle_of
 from .sizes import format_size
 

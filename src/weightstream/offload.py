@@ -20,20 +20,20 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from . import guards, ops, replay
-from .disk import DiskTier
-from .entries import _set_tensor
+from .engine import guards, ops, replay
+from .engine.host import HostArena
+from .engine.schedule import Schedule
+from .engine.streamed import _blocked_apply, _install_schedule
+from .engine.uva import uva_view
+from .engine.watch import REBOUND, TensorWatch, Watched, peft_layers
 from .errors import ArgumentError, BudgetError, OffloadStateError
-from .host import HostArena
-from .plan import Placement, placement_of
-from .prepare import Prepared, _plain, _resolve_device, final_places, prepare
-from .probe import MachineProfile
-from .schedule import Schedule
+from .formats.disk import DiskTier
+from .placement.entries import _set_tensor
+from .placement.plan import Placement, placement_of
+from .placement.prepare import Prepared, _plain, _resolve_device, final_places, prepare
+from .placement.probe import MachineProfile
 from .sizes import format_size
-from .streamed import _blocked_apply, _install_schedule
-from .uva import uva_view
-from .watch import REBOUND, TensorWatch, Watched, peft_layers
-from .wire import encode_groups, fill_arena, make_transfer
+from .wire.groups import encode_groups, fill_arena, make_transfer
 
 if TYPE_CHECKING:
     from .pipeline import PipelineHandle

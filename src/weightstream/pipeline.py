@@ -23,12 +23,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .cost import ModelCost
 from .dtypes import default_dtype
 from .errors import ArgumentError, BudgetError, OffloadStateError
 from .offload import OffloadHandle, OffloadStats, offload, prepare
-from .plan import STRATEGIES, Placement, _candidates, landing_options, placement_of, wire_of
-from .probe import MachineProfile, load_profile
+from .placement.cost import ModelCost
+from .placement.plan import STRATEGIES, Placement, _candidates, landing_options, placement_of, wire_of
+from .placement.probe import MachineProfile, load_profile
 from .sizes import format_size, parse_size
 
 DENOISERS = ("transformer", "transformer_2", "unet", "prior", "decoder")  # called once per step
@@ -345,8 +345,8 @@ def stored_dtype(folder: str) -> torch.dtype:
     import re
     from pathlib import Path
 
-    from .checkpoint import _read_header, read_json
     from .dtypes import parse_dtype
+    from .formats.checkpoint import _read_header, read_json
 
     files = sorted(Path(folder).glob("*.safetensors"))
     # model.safetensors, model-00001-of-00002.safetensors; a variant has a dot in its stem: model.fp16...

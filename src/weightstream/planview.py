@@ -6,12 +6,12 @@ from pathlib import Path
 
 import torch
 
-from .cost import predict
-from .hf import choose_disk_groups, diffusers_class
+from .formats.hf import choose_disk_groups, diffusers_class
 from .offload import prepare
-from .plan import wire_of
-from .probe import load_profile
-from .shapes import meta_model
+from .placement.cost import predict
+from .placement.plan import wire_of
+from .placement.probe import load_profile
+from .placement.shapes import meta_model
 from .sizes import format_size, parse_size
 
 

@@ -6,14 +6,14 @@ result schema. Each file is one idea:
 | `cli.py` | the `weightstream bench` command line (`weightstream/cli.py` hands `bench ...` to it) |
 | `runner.py` | the run: `run_suite`, prepare / time / compare / undo per method, budget, phase, mode |
 | `limits.py` | `--method-seconds` (a SIGALRM timer) and the limits' checks |
-| `measure.py` | one measurement (warm-up + `weightstream.timing`), `compare_outputs`, link bound, bandwidth |
+| `measure.py` | one measurement (warm-up + `placement.timing`), `compare_outputs`, link bound, bandwidth |
 | `methods/` | the method registry (`methods/__init__.py`) and one file per family of methods |
 | `shapes.py` | the model shapes (`SHAPES`), `ModelKind`, build a model where it fits |
 | `causal_lm.py` | the causal-LM model kind: build with random bf16 weights, input ids, forward |
 | `diffusion.py` | the diffusion model kind: Flux, Wan, T5 encoder from published configs; one denoise step |
 | `phases.py` | `decode-bN`, `prefill-N`, `denoise-bN` (`PHASE_KINDS`) |
 | `schema.py` | `ResultRow`, the document, `validate`, `write_json`, `load_results` |
-| `legacy.py` | readers of the result files of `bench_core`, `bench_plan`, `bench_load` (the old scripts) |
+| `index.py` | the results folder's layout (`<date>_<gpu>_<topic>/`) and INDEX.md, a line per row |
 | `memory.py`, `progress.py` | bytes and GPU memory; progress lines and error summaries |
 | `timeline.py` | profiler timelines of one forward (copy row / compute row) |
 | `report.py` | markdown table, run sections, the bars, docs/benchmarks.md, the planner's predictions |
@@ -29,7 +29,7 @@ How to add:
   further keywords to `offload`. Every weightstream row records wire_bytes, wire_raw_bytes and
   wire_ratio, and its link bound counts wire bytes.
 - a shape of a known kind: one `Shape(name, fields)` entry in `shapes.SHAPES` (planning shapes come
-  from `weightstream/shapes.py`, so a planning shape is benched as soon as it is added there).
+  from `weightstream/placement/shapes.py`, so a planning shape is benched as soon as it is added there).
 - quantized weights (fp8, int4): a model kind in its own file (e.g. `quantized_lm.py`: `CausalLM` whose
   `build` converts the linear weights and whose `dtype_name` says so), plus `Shape` entries using it.
 - a diffusion shape: one entry in `diffusion.SHAPE_FIELDS` (the constructor's keywords, `model_type` =

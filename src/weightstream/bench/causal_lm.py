@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..shapes import shape_config
+from ..placement.shapes import shape_config
 from .phases import Phase
 
 

@@ -1,4 +1,4 @@
-"""One measurement: warm-up, timed calls (through `weightstream.timing`, the one way to time), the
+"""One measurement: warm-up, timed calls (through `weightstream.placement.timing`, the one way to time), the
 bit-for-bit comparison with a reference (the one way to compare outputs), and the link bound.
 
 GPU times are CUDA-event milliseconds between consecutive calls of a loop with no synchronization in
@@ -16,8 +16,8 @@ from collections.abc import Callable
 
 import torch
 
-from ..probe import copy_seconds_per_byte
-from ..timing import sync, time_calls
+from ..placement.probe import copy_seconds_per_byte
+from ..placement.timing import sync, time_calls
 
 SLOW_CALL_S = 1.0  # a warm call slower than this (seconds) is timed SLOW_REPS times at most
 SLOW_REPS = 3

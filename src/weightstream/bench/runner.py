@@ -28,8 +28,8 @@ import torch
 from torch import nn
 
 from .. import __version__
+from ..placement.timing import capture_graph
 from ..sizes import format_size, parse_size
-from ..timing import capture_graph
 from . import methods as registry
 from .limits import check_limits, limit_or_none
 from .measure import compare_outputs, fill_row, h2d_bandwidth, measure

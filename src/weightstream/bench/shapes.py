@@ -1,4 +1,4 @@
-"""The bench's model shapes: the built-in planning shapes (`weightstream/shapes.py`) plus test-sized
+"""The bench's model shapes: the built-in planning shapes (`weightstream/placement/shapes.py`) plus test-sized
 ones, each with the model kind that builds it with random weights, makes its inputs and runs it.
 
 A new shape of an existing kind is one `Shape` entry in `SHAPES`. A new kind of model (a diffusion
@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from ..shapes import SHAPES as PLANNING_SHAPES
+from ..placement.shapes import SHAPES as PLANNING_SHAPES
 from ..sizes import format_size
 from .causal_lm import CAUSAL_LM
 from .diffusion import SHAPE_FIELDS as DIFFUSION_SHAPES

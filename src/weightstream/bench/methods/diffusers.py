@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ...blocks import find_blocks
+from ...placement.blocks import find_blocks
 from ..memory import allocated, home_device, module_bytes, release_memory
 from .base import EAGER_ONLY, Method
 

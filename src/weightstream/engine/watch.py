@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .entries import Entry
+from ..placement.entries import Entry
 
 WRITTEN = "written"  # the tensor was written in place (its version counter moved)
 REBOUND = "rebound"  # a module attribute that held it holds another tensor, or its storage moved

@@ -24,10 +24,10 @@ import dataclasses
 
 import torch
 
+from ..engine.host import HostArena
+from ..engine.transfer import CudaTransfer, SyncTransfer
+from ..formats.disk import DiskTier
 from . import codec
-from .disk import DiskTier
-from .host import HostArena
-from .transfer import CudaTransfer, SyncTransfer
 
 
 def sized(enc: codec.EncodedGroup) -> codec.EncodedGroup:
@@ -181,7 +181,7 @@ class CodedCudaTransfer(CudaTransfer):
     def __init__(self, arena: HostArena, slots: list[torch.Tensor], device: torch.device,
                  wire: list[codec.EncodedGroup | None], landing_bytes: int, disk: DiskTier | None = None,
                  pin: bool = True, n_landing: int = 1) -> None:
-        from . import codec_triton
+        from . import triton_decoder as codec_triton
 
         super().__init__(arena, slots, device, disk, pin)
         self.wire = wire

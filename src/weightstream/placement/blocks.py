@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from .errors import WeightstreamError
+from ..errors import WeightstreamError
 
 
 @dataclass(frozen=True)

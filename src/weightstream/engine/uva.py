@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import WeightstreamError
+from ..errors import WeightstreamError
 
 
 class _PinnedBytes:

@@ -18,18 +18,19 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from . import coded_load, fp8
+from ..dtypes import parse_dtype
+from ..engine.host import HostArena
+from ..errors import BudgetError, CheckpointError
+from ..offload import finish
+from ..placement.entries import Entry
+from ..placement.plan import spread
+from ..placement.prepare import final_places, prepare
+from ..placement.probe import MachineProfile
+from ..sizes import format_size, parse_size
+from ..wire import coded_load
+from . import fp8
 from .checkpoint import StoredTensor, read_index, read_into, read_json
 from .disk import DiskTier
-from .dtypes import parse_dtype
-from .entries import Entry
-from .errors import BudgetError, CheckpointError
-from .host import HostArena
-from .offload import finish
-from .plan import spread
-from .prepare import final_places, prepare
-from .probe import MachineProfile
-from .sizes import format_size, parse_size
 
 
 @contextlib.contextmanager

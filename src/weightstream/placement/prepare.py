@@ -12,17 +12,17 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..engine.host import HostArena
+from ..engine.layout import Slice, pack
+from ..engine.streamed import _blocked_apply
+from ..errors import ArgumentError, OffloadStateError, WeightstreamError
+from ..sizes import format_size, parse_size
+from ..wire.codec import choose
 from .blocks import find_blocks
-from .codec import choose
 from .cost import ModelCost, largest
 from .entries import Entry, _collect
-from .errors import ArgumentError, OffloadStateError, WeightstreamError
-from .host import HostArena
-from .layout import Slice, pack
 from .plan import Placement, plan
 from .probe import MachineProfile, load_profile
-from .sizes import format_size, parse_size
-from .streamed import _blocked_apply
 
 # diffusers' hooks that move or recast a module's weights in every forward, by the names diffusers
 # registers them under (diffusers/hooks/group_offloading.py, layerwise_casting.py), and what set them

@@ -16,11 +16,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..engine.layout import align_up
+from ..errors import ArgumentError, BudgetError
+from ..sizes import format_size
 from .cost import ModelCost, Prediction, predict
-from .errors import ArgumentError, BudgetError
-from .layout import align_up
 from .probe import MachineProfile
-from .sizes import format_size
 
 STRATEGIES = ("auto", "stream", "uva")
 

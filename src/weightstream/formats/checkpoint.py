@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 __all__ = ["CheckpointError", "StoredTensor", "read_index", "read_into"]
 

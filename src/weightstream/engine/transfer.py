@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from .disk import DiskPrefetcher, DiskTier
-from .errors import WeightstreamError
+from ..errors import WeightstreamError
+from ..formats.disk import DiskPrefetcher, DiskTier
 from .host import HostArena
 
 

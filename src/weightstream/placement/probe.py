@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from .codec import DECODER_VERSION
+from ..wire.codec import DECODER_VERSION
 from .timing import capture_graph, time_calls
 
 TOKENS = (1, 16, 64, 256, 1024, 2048, 8192)
@@ -141,7 +141,7 @@ def _time_ms(fn, reps: int = 10, warmup: int = 3) -> float:
 def measure(device: torch.device | str = "cuda", progress: bool = True) -> MachineProfile:
     """Measure this GPU: pinned copy bandwidth, bf16 GEMM time per weight byte (resident and zero
     copy) and a block's time outside its GEMMs, at each M in TOKENS. Takes about ten seconds."""
-    from .uva import uva_view
+    from ..engine.uva import uva_view
 
     device = torch.device(device)
     copy_s_per_byte = copy_seconds_per_byte(device)
@@ -169,7 +169,7 @@ def dequant_ratios(weight: torch.Tensor, resident: dict[int, float],
                    progress: bool = False) -> dict[int, float]:
     """At each M in TOKENS: the time of `weight` (bf16, on the GPU) quantized to fp8 with 128x128 block
     scales, dequantized and multiplied (fp8.Fp8Linear's forward), over `resident`'s bf16 GEMM time."""
-    from .fp8 import dequantize, quantize
+    from ..formats.fp8 import dequantize, quantize
 
     q, scale = quantize(weight, (128, 128))
     n, k = weight.shape
@@ -187,7 +187,7 @@ def decode_seconds_per_byte(device: torch.device, progress: bool = False) -> tup
     """The codec's GPU decode time per output byte (Triton) and the decoder generation measured
     (`codec.DECODER_VERSION`); the default rate and "" where Triton is missing."""
     try:
-        from .codec_triton import decode_seconds_per_byte as measure_decode
+        from ..wire.triton_decoder import decode_seconds_per_byte as measure_decode
     except ImportError:
         return MachineProfile.decode_s_per_byte, ""
     seconds = measure_decode(device)
@@ -314,11 +314,12 @@ def measure_in_child(device: torch.device) -> MachineProfile:
     path = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
     env = dict(os.environ, PYTHONPATH=path)
     index = device.index if device.index is not None else torch.cuda.current_device()
-    done = subprocess.run([sys.executable, "-m", "weightstream.probe", str(index)], env=env,
+    done = subprocess.run([sys.executable, "-m", "weightstream.placement.probe", str(index)], env=env,
                           capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"measuring cuda:{index} for the planner failed in a child process "
-                           f"({sys.executable} -m weightstream.probe {index}):\n{done.stderr[-2000:]}")
+                           f"({sys.executable} -m weightstream.placement.probe {index}):\n"
+                           f"{done.stderr[-2000:]}")
     return MachineProfile.from_json(done.stdout)
 
 

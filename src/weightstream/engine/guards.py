@@ -27,9 +27,9 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from ..errors import InferenceOnlyError, OffloadStateError
+from ..formats.checkpoint import read_into
 from . import ops
-from .checkpoint import read_into
-from .errors import InferenceOnlyError, OffloadStateError
 
 INFERENCE_ONLY = (
     "an offloaded model is for inference only: its streamed weights are views of staging buffers that "

@@ -12,8 +12,8 @@ import weakref
 
 import torch
 
-from .errors import PinnedMemoryError
-from .sizes import format_size
+from ..errors import PinnedMemoryError
+from ..sizes import format_size
 
 _PAGE = 4096
 

@@ -23,7 +23,7 @@ from typing import Protocol
 
 import torch
 
-from .errors import OffloadStateError
+from ..errors import OffloadStateError
 
 
 class _Engine(Protocol):

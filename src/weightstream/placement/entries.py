@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from . import kinds, subclass
+from ..formats import subclass
+from . import kinds
 
 
 @dataclass(frozen=True)

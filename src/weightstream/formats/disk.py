@@ -17,9 +17,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from ..engine.layout import Slice
 from .checkpoint import StoredTensor, read_into
 from .diskcache import DiskCache
-from .layout import Slice
 
 
 class DiskTier:

@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .dtypes import parse_dtype
-from .errors import ArgumentError
+from ..dtypes import parse_dtype
+from ..errors import ArgumentError
 
 SHAPES = {
     "llama-3-8b": dict(
@@ -54,11 +54,11 @@ def meta_model(name_or_path: str, dtype: torch.dtype | str | None = None) -> nn.
             model = AutoModelForCausalLM.from_config(config, dtype=parse_dtype(dtype or torch.bfloat16))
         return model.eval().requires_grad_(False)
     if (Path(name_or_path) / "config.json").is_file():
-        from .hf import build_model, diffusers_class
+        from ..formats.hf import build_model, diffusers_class
 
         class_name = diffusers_class(Path(name_or_path))
         if class_name is not None:  # a diffusers model folder (a pipeline's transformer/, unet/, vae/)
-            from .pipeline import meta_diffusers_model
+            from ..pipeline import meta_diffusers_model
 
             return meta_diffusers_model(name_or_path, class_name, parse_dtype(dtype or torch.bfloat16))
         return build_model(Path(name_or_path), dtype, on_meta=True)  # the class and dtype a load gets

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
+from ..errors import ArgumentError
 from .checkpoint import StoredTensor
-from .errors import ArgumentError
 
 
 class DiskCache:

@@ -20,8 +20,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from .errors import UnsupportedTensorError
-from .subclass import Flattened, flatten, type_name
+from ..errors import UnsupportedTensorError
+from ..formats.subclass import Flattened, flatten, type_name
 
 _PLAIN = (torch.Tensor, nn.Parameter)
 _SIMPLE = (type(None), bool, int, float, str, enum.Enum, torch.dtype, torch.Size, torch.device)

@@ -16,13 +16,13 @@ import os
 
 import torch
 
+from ..engine.host import HostArena
+from ..formats.checkpoint import StoredTensor, read_into
+from ..formats.disk import DiskTier
+from ..formats.diskcache import DiskCache
+from ..placement.prepare import Prepared, _plain
 from . import codec
-from .checkpoint import StoredTensor, read_into
-from .disk import DiskTier
-from .diskcache import DiskCache
-from .host import HostArena
-from .prepare import Prepared, _plain
-from .wire import place, sized
+from .groups import place, sized
 
 
 def _coded(prep: Prepared, stored_of: dict[int, StoredTensor], g: int) -> codec.EncodedGroup | None:

@@ -136,7 +136,7 @@ def decode_seconds_per_byte(device: torch.device, nbytes: int = 256 << 20) -> fl
     """Median decode time per output byte of `nbytes` of Hugging Face-initialized bf16 weights."""
     import statistics
 
-    from .timing import time_calls
+    from ..placement.timing import time_calls
 
     weights = (torch.randn(nbytes // 2, device=device) * 0.02).bfloat16()
     enc = codec.encode_group([(weights, 0)], nbytes, device=device)

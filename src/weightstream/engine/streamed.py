@@ -18,8 +18,8 @@ from torch.nn.modules.module import (  # the process-wide hooks nn.Module._call_
     _global_forward_pre_hooks,
 )
 
+from ..errors import OffloadStateError, WeightstreamError
 from . import ops
-from .errors import OffloadStateError, WeightstreamError
 
 
 def _tensors(node, out: list) -> None:
@@ -226,7 +226,7 @@ def _streamed_class(base: type) -> type:
 
 
 if TYPE_CHECKING:
-    from .offload import OffloadHandle
+    from ..offload import OffloadHandle
 
 
 def _install_schedule(handle: OffloadHandle, blocks: list[nn.Module]) -> None:
