@@ -9,6 +9,7 @@ import os
 import re
 
 from weightstream.bench import report
+from weightstream.bench.index import result_files
 from weightstream.bench.schema import load_results, validate, write_json
 
 
@@ -40,9 +41,9 @@ def test_benchmarks_md_from_stored_results(bench_stored, tmp_path):
 
 
 def test_recorded_h200_results_are_valid_and_render():
-    """The committed H200 result files pass the schema and go into the page (notes included)."""
+    """The committed result files pass the schema and go into the page (notes included)."""
     results = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results")
-    paths = sorted(glob.glob(os.path.join(results, "suite_*.json")))
+    paths = sorted(glob.glob(os.path.join(results, "*", "suite_*.json")))
     assert paths, "no recorded suite results"
     text = report.markdown_table(load_results(paths))
     assert "ws-auto" in text and "accelerate-cpu_offload" in text
@@ -54,8 +55,9 @@ def test_recorded_h200_results_are_valid_and_render():
 
 
 def test_the_committed_page_is_what_the_recorded_results_give(tmp_path):
-    """docs/benchmarks.md is exactly what `--report` writes from benchmarks/results/suite_*.json (run
-    from the repository root, as benchmarks/README.md says; the images as the page links them)."""
+    """docs/benchmarks.md is exactly what `--report benchmarks/results --index ...` writes from the result
+    documents there (run from the repository root, as benchmarks/README.md says; the images as the page
+    links them)."""
     root = os.path.join(os.path.dirname(__file__), "..")
     with open(os.path.join(root, "docs", "benchmarks.md")) as f:
         committed = f.read()
@@ -65,8 +67,9 @@ def test_the_committed_page_is_what_the_recorded_results_give(tmp_path):
     cwd = os.getcwd()
     try:
         os.chdir(root)
-        paths = sorted(glob.glob("benchmarks/results/suite_*.json"))
-        text = report.write_benchmarks_md(paths, str(tmp_path / "docs" / "benchmarks.md"), images)
+        paths = result_files(["benchmarks/results"])
+        text = report.write_benchmarks_md(paths, str(tmp_path / "docs" / "benchmarks.md"), images,
+                                          index_path=str(tmp_path / "benchmarks" / "results" / "INDEX.md"))
     finally:
         os.chdir(cwd)
     assert text == committed

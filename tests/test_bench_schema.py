@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import glob
 import os
 
 import pytest
@@ -42,10 +41,11 @@ def test_write_json_round_trips_and_load_results_names_a_bad_file(bench_doc, tmp
 
 
 def test_every_recorded_result_file_validates_and_the_validator_command_says_so(capsys):
-    # the harness's documents and the older scripts' (read through legacy.py); the single-purpose scripts
+    # the harness's documents, and the older scripts' converted to the schema; the single-purpose scripts
     # (bench_encdec, bench_codec, bench_quant) record their own fields beside them
-    paths = sorted(p for pattern in ("suite_*.json", "core_*.json", "plan_*.json", "load_*.json")
-                   for p in glob.glob(os.path.join(RESULTS, pattern)))
+    from weightstream.bench.index import result_files
+
+    paths = result_files([RESULTS])
     assert len(paths) > 20, "no recorded results"
     assert schema.validate_files(paths) == 0
     out = capsys.readouterr().out.splitlines()

@@ -1,20 +1,22 @@
 """`weightstream bench`: every offload method on the same random bf16 weights, in one process.
 
-    weightstream bench --shape llama-3-8b --budgets 0.25,0.5,0.75 --out benchmarks/results/suite_8b.json
-    weightstream bench --report benchmarks/results/suite_*.json --md docs/benchmarks.md --png-dir docs/
+    weightstream bench --shape llama-3-8b --budgets 0.25,0.5,0.75 --out /tmp/out/suite_llama-3-8b.json
+    weightstream bench --report benchmarks/results --index benchmarks/results/INDEX.md
 
 Phases: one forward on fixed random inputs (`phases.py`). Modes: `eager`; `compiled` =
 `torch.compile(fullgraph=True, dynamic=False)`; `graph` = a CUDA graph captured from the compiled call,
 replayed; `graph-eager` = a CUDA graph captured from the eager forward (no compile; not in the
 default). A method that does not support `compiled` is still tried there (the failure under fullgraph
 is the finding, recorded as `error`); an unsupported graph mode is skipped. `--report` turns stored
-JSON into a markdown table and plots without running anything; `--validate` checks stored JSON
-against the schema (`schema.py`).
+JSON (files, or folders searched for result documents) into the docs/benchmarks.md page and its plots
+without running anything, and with `--index` writes the results folder's INDEX.md (`index.py`);
+`--validate` checks stored JSON against the schema (`schema.py`).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import sys
 
@@ -22,12 +24,12 @@ import torch
 
 from ..cli import OneLineParser
 from ..errors import ArgumentError, WeightstreamError
-from ..prepare import _resolve_device
+from ..placement.prepare import _resolve_device
 from . import methods as registry
+from .index import folder_errors, result_files, write_index
 from .limits import check_limits
 from .phases import DEFAULT_PHASES, parse_phase
-from .plots import write_plots
-from .report import markdown_table, write_benchmarks_md
+from .report import markdown_table, page_plots, write_benchmarks_md
 from .runner import resolve_budget, run_suite
 from .schema import DEFAULT_MODES, load_results, validate_files
 from .shapes import SHAPES, shape_weight_bytes
@@ -62,18 +64,36 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="Inductor rounds to bf16 where eager does (compiled exactness, benchmarks/README.md)")
     p.add_argument("--out", default=None, help="result JSON (default benchmarks/results/suite_<shape>.json)")
     p.add_argument("--report", nargs="+", metavar="RESULTS",
-                   help="run nothing: write the table and plots from stored result JSON files")
+                   help="run nothing: write the page and plots from stored result JSON files, or from every "
+                        "result document under a folder")
+    p.add_argument("--index", default=None, metavar="INDEX_MD",
+                   help="with --report FOLDER: also write the folder's index, one line per result row "
+                        "(benchmarks/results/INDEX.md; its links are relative to the folder)")
     p.add_argument("--validate", nargs="+", metavar="RESULTS",
                    help="run nothing: check result JSON files against the schema (exit 1 if one is invalid)")
     p.add_argument("--md", default="docs/benchmarks.md", help="markdown page written by --report")
-    p.add_argument("--png-dir", default="docs", help="folder for the plots written by --report")
+    p.add_argument("--png-dir", default="docs/figures", help="folder for the plots written by --report")
     return p.parse_args(argv)
 
 
-def report(paths: list[str], md_path: str, png_dir: str) -> str:
-    """Regenerate the page and its plots from stored results (plots need matplotlib)."""
-    images = write_plots(load_results(paths), png_dir)
-    return write_benchmarks_md(paths, md_path, images)
+def report(paths: list[str], md_path: str, png_dir: str, index_path: str | None = None) -> str:
+    """Regenerate the page and its plots from stored results (files, or folders searched for result
+    documents; plots need matplotlib) and, with `index_path`, the index of the one folder given.
+    Raises ArgumentError for an index without exactly one folder, ValueError for an invalid file."""
+    folders = [p for p in paths if os.path.isdir(p)]
+    if index_path and (len(paths) != 1 or not folders):
+        raise ArgumentError("--index indexes one results folder: give --report that folder alone "
+                            "(e.g. --report benchmarks/results --index benchmarks/results/INDEX.md)")
+    files = result_files(paths)
+    if not files:
+        raise ArgumentError(f"--report {' '.join(paths)}: no result documents there")
+    images = page_plots(load_results(files), files, png_dir)
+    if index_path:
+        bad = folder_errors(folders[0])
+        if bad:
+            raise ArgumentError(f"{folders[0]}: {bad[0]} (folders are <date>_<gpu>_<topic>, see index.py)")
+        write_index(folders[0], index_path)
+    return write_benchmarks_md(files, md_path, images, index_path=index_path)
 
 
 def check_run(args: argparse.Namespace) -> torch.device:
@@ -118,8 +138,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.validate:
             return validate_files(args.validate)
         if args.report:
-            report(args.report, args.md, args.png_dir)
-            print(f"wrote {args.md} and plots in {args.png_dir}")
+            report(args.report, args.md, args.png_dir, args.index)
+            print(f"wrote {args.md}{' and ' + args.index if args.index else ''} and plots in {args.png_dir}")
             return 0
         device = check_run(args)
         out = args.out or f"benchmarks/results/suite_{args.shape}.json"

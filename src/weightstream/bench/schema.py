@@ -9,22 +9,21 @@ Result document (`validate` checks it; sizes in bytes, times in ms, bandwidth in
     skipped_methods: {method: reason} (import missing, needs CUDA, does not fit)
     timelines: [{method, phase, budget_bytes, mode, events: [[stream, label, start_ms, end_ms], ...],
         summary: {span_ms, copy_ms, decode_ms, compute_ms, compute_idle_ms, compute_idle_decoding_ms,
-        compute_idle_copying_ms, compute_idle_other_ms} (optional; the last three since session 28)}];
+        compute_idle_copying_ms, compute_idle_other_ms} (optional; files before 2026-12-05 lack the
+        last three)}];
         stream is "copy", "decode" or "compute"; eager and compiled weightstream rows at the first budget
     aborted: why the run stopped early (only when a method could not be undone)
     max_seconds: the run's time budget (None: none); measurements past it are rows with `skipped`
     method_seconds: each method's time limit per budget and phase, preparation included (None: none);
         a method past it has rows with `error` "did not finish within ..." and the run goes on
     note, command_note: optional text added by hand after the run (e.g. that a shell timeout cut it)
-    converted_from: set by `legacy.upgrade` on a document read from an older script's schema
+    converted_from: the script whose older format the document was converted from (bench_core.py,
+        bench_plan.py, bench_load.py; converted once, written back in this schema)
     results: [ResultRow as a dict, ...]: method, phase, budget_bytes, mode, median_ms, min_ms, max_ms,
         reps, tokens_per_s, link_bound_ms, ratio, exact, error, skipped (required), and context fields;
         weightstream rows also wire_bytes, wire_raw_bytes, wire_ratio (optional: older files lack them;
         set together, wire <= raw, ratio = wire / raw). link_bytes, and so the link bound, count wire
         bytes: a compressed group's blob, not its raw bytes
-
-Files written before this schema (`bench_core.py`, `bench_plan.py`, `bench_load.py`) are read through
-`legacy.upgrade`, which `load_results` applies.
 """
 
 from __future__ import annotations
@@ -153,22 +152,20 @@ def write_json(doc: dict, path: str) -> None:
 
 
 def load_results(paths: list[str]) -> list[dict]:
-    """Read and validate stored result documents; files of the older scripts' schemas are converted
-    (`legacy.upgrade`). Raises ValueError naming the file and the first bad field."""
-    from .legacy import upgrade
-
+    """Read and validate stored result documents. Raises ValueError naming the file and the first bad
+    field."""
     docs = []
     for path in paths:
         with open(path) as f:
             try:
-                docs.append(validate(upgrade(json.load(f))))
+                docs.append(validate(json.load(f)))
             except ValueError as err:
                 raise ValueError(f"{path}: {err}") from err
     return docs
 
 
 def validate_files(paths: list[str]) -> int:
-    """`weightstream bench --validate FILE...`: read and validate each file (older schemas converted);
+    """`weightstream bench --validate FILE...`: read and validate each file;
     print one line per file ("valid PATH: N rows, M measured" or "INVALID PATH: field: why"); return
     the exit status (1 when any file is invalid)."""
     status = 0
