@@ -5,17 +5,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import NoReturn
 
-USAGE_ERROR = 2
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse whose usage mistakes (an unknown option, a value of the wrong type, a missing argument)
-    end like every other mistake: one line on stderr, naming where the options are listed, exit 2."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(USAGE_ERROR, f"{self.prog}: {message} (see: {self.prog} --help)\n")
+from .usage import USAGE_ERROR, OneLineParser
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,9 +22,9 @@ import sys
 
 import torch
 
-from ..cli import OneLineParser
 from ..errors import ArgumentError, WeightstreamError
 from ..placement.prepare import _resolve_device
+from ..usage import USAGE_ERROR, OneLineParser
 from . import methods as registry
 from .index import folder_errors, result_files, write_index
 from .limits import check_limits
@@ -33,8 +33,6 @@ from .report import markdown_table, page_plots, write_benchmarks_md
 from .runner import resolve_budget, run_suite
 from .schema import DEFAULT_MODES, load_results, validate_files
 from .shapes import SHAPES, shape_weight_bytes
-
-USAGE_ERROR = 2
 
 
 def _csv(text: str) -> list[str]:
