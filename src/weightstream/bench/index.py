@@ -18,10 +18,11 @@ import json
 import os
 import re
 
+from ..sizes import format_size
 from .report import budget_text, fmt
 from .schema import load_results
 
-FOLDER_RE = re.compile(r"^\d{4}-\d{2}-\d{2}_(h100|h200|cpu)_[a-z0-9]+(-[a-z0-9.]+)*$")
+FOLDER_RE = re.compile(r"^\d{4}-\d{2}-\d{2}_(h100|h200|cpu)_[a-z0-9][a-z0-9.]*(-[a-z0-9.]+)*$")
 
 TABLE_HEAD = "| row | file | shape | phase | budget | method | mode | median ms | tokens/s | ratio | exact |"
 INDEX_COMMAND = "weightstream bench --report benchmarks/results --index benchmarks/results/INDEX.md"
@@ -39,8 +40,10 @@ with an anchor to link a figure to: `INDEX.md#<folder>--<file>--<row>` (row = it
 `results`, from 0); `INDEX.md#<folder>--<file>` names a file. Columns as in
 [docs/benchmarks.md](../../docs/benchmarks.md): median ms of one forward (or denoising step),
 tokens/s, ratio = median / link bound, exact = `torch.equal` against the reference (`ref`: the
-reference itself). Files that are not result documents (logs, tables, the single-purpose scripts'
-JSON) are listed under each folder.
+reference itself). The JSON files of the single-purpose scripts (`bench_codec.py`, `bench_pipeline.py`,
+`bench_quant.py`, `bench_encdec.py`) are read as rows too, in a table of their own per folder (a
+`bench_codec.py` ratio is to the raw link bound; a pipeline row is one whole generation); logs, tables
+and other files are listed under each folder.
 """
 
 
@@ -50,6 +53,57 @@ def is_result_document(doc) -> bool:
     rows = doc.get("results") if isinstance(doc, dict) else None
     return isinstance(rows, list) and "weight_bytes" in doc and all(isinstance(r, dict) and "method" in r
                                                                      for r in rows)
+
+
+def _tokens(phase: str) -> int | None:
+    """Tokens per forward of a phase name (decode-bN: N, prefill-N: N), else None."""
+    match = re.fullmatch(r"(?:decode-b|prefill-)(\d+)", phase)
+    return int(match.group(1)) if match else None
+
+
+def _script_row(shape, phase, budget, method, mode, ms, ratio=None, exact=None, tokens=None) -> dict:
+    tokens = tokens if tokens is not None else _tokens(phase)
+    return {"shape": shape, "phase": phase, "budget": budget, "method": method, "mode": mode, "ms": ms,
+            "tokens_per_s": tokens * 1000 / ms if tokens and ms else None, "ratio": ratio, "exact": exact}
+
+
+def script_rows(doc) -> list[dict] | None:
+    """The measurements of a file written by one of the single-purpose scripts, as rows (shape, phase,
+    budget, method, mode, ms, tokens_per_s, ratio, exact); None for a file of no known layout.
+    `bench_codec.py` (`rows` with `wire`): method ws-raw / ws-compressed, ratio to the raw link bound;
+    `bench_pipeline.py` (`rows` with `method`): one whole generation; `bench_quant.py` (`results` with
+    `variant`): batch-1 decode per weight format; `bench_encdec.py`: one decoder step."""
+    if not isinstance(doc, dict):
+        return None
+    rows = doc.get("rows") or []
+    if rows and all("wire" in r for r in rows):  # bench_codec.py
+        def budget(b: str) -> str:
+            return "-" if b == "resident" else f"{b}%" if b.isdigit() else b
+
+        return [_script_row(doc["shape"], r["phase"], budget(r["budget"]),
+                            "resident" if r["budget"] == "resident" else f"ws-{r['wire']}", r["mode"],
+                            r["ms"], r.get("vs_raw_link"), r.get("exact")) for r in rows]
+    if rows and all("method" in r for r in rows):  # bench_pipeline.py
+        config = doc["config"]
+        budget = format_size(config["budget_bytes"])
+        return [_script_row(f"{config['name']} pipeline", f"generate-{config['steps']}-steps",
+                            budget if r["method"].startswith("weightstream") else "-", r["method"], "eager",
+                            r.get("total_ms"), None, "ref" if r["method"] == "resident" else r.get("exact"))
+                for r in rows]
+    results = doc.get("results") or []
+    if results and all("variant" in r for r in results):  # bench_quant.py
+        return [_script_row(doc["shape"], "decode-b1", f"{100 * r['budget_fraction']:.0f}%",
+                            f"ws-auto {r['variant']}", "eager", r["decode_ms"],
+                            r.get("ratio_to_link_bound"), r.get("exact")) for r in results]
+    if "eager_step_ms" in doc:  # bench_encdec.py
+        share = f"{100 * doc['budget_bytes'] / doc['weight_bytes']:.0f}%"
+        return [_script_row("t5-xxl", "decoder-step", "-", "resident", "eager", doc["resident_step_ms"],
+                            tokens=1),
+                _script_row("t5-xxl", "decoder-step", share, "ws-auto", "eager", doc["eager_step_ms"],
+                            doc.get("eager_ratio"), doc.get("eager_exact"), tokens=1),
+                _script_row("t5-xxl", "decoder-step", share, "ws-auto", "graph", doc["graph_step_ms"],
+                            doc.get("graph_ratio"), doc.get("graph_exact"), tokens=1)]
+    return None
 
 
 def _files(folder: str) -> list[str]:
@@ -103,6 +157,17 @@ def _row_line(folder: str, name: str, doc: dict, n: int, r: dict) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
+def _script_line(folder: str, name: str, n: int, r: dict) -> str:
+    cells = [f'<a id="{row_anchor(folder, name, n)}"></a>{n}', f"[{name}]({folder}/{name})", r["shape"],
+             r["phase"], r["budget"], r["method"], r["mode"]]
+    exact = "-" if r["exact"] is None else str(r["exact"])
+    if r["ms"] is None:
+        cells += ["not timed", "", "", exact]
+    else:
+        cells += [f"{r['ms']:.2f}", fmt(r["tokens_per_s"], 1), fmt(r["ratio"], 2), exact]
+    return "| " + " | ".join(cells) + " |"
+
+
 def folder_errors(root: str) -> list[str]:
     """What breaks the layout: a folder whose name does not follow `FOLDER_RE`, a file directly in
     `root` other than INDEX.md, a folder inside a results folder."""
@@ -125,7 +190,7 @@ def index_text(root: str) -> str:
     row (anchored) and the other files (anchored); links are relative to `root`."""
     parts = [INDEX_HEADER.strip()]
     folders = [e for e in sorted(os.listdir(root)) if os.path.isdir(os.path.join(root, e))]
-    summary = ["| folder | result documents | rows | other files |", "| --- | --- | --- | --- |"]
+    summary = ["| folder | files with rows | rows | other files |", "| --- | --- | --- | --- |"]
     sections = []
     for folder in folders:
         names = [os.path.relpath(p, os.path.join(root, folder)) for p in _files(os.path.join(root, folder))]
@@ -133,8 +198,18 @@ def index_text(root: str) -> str:
                      for p in result_files([os.path.join(root, folder)])]
         docs = load_results([os.path.join(root, folder, n) for n in documents])
         others = [n for n in names if n not in documents and n != "README.md"]
+        scripts = {}
+        for n in others:
+            if n.endswith(".json"):
+                with open(os.path.join(root, folder, n)) as f:
+                    rows = script_rows(json.load(f))
+                if rows:
+                    scripts[n] = rows
+        others = [n for n in others if n not in scripts]
         rows = sum(len(d["results"]) for d in docs)
-        summary.append(f"| [{folder}](#{folder}) | {len(documents)} | {rows} | {len(others)} |")
+        rows += sum(len(r) for r in scripts.values())
+        with_rows = len(documents) + len(scripts)
+        summary.append(f"| [{folder}](#{folder}) | {with_rows} | {rows} | {len(others)} |")
         lines = [f'## <a id="{folder}"></a>{folder}', ""]
         if "README.md" in names:
             lines += [f"Commands and notes: [{folder}/README.md]({folder}/README.md)", ""]
@@ -146,6 +221,15 @@ def index_text(root: str) -> str:
                     file_lines = [f"| - | [{name}]({folder}/{name}) | {doc['shape']['name']} | no rows |"
                                   + " |" * 7]
                 # the file's anchor on its first line
+                anchor = f'<a id="{file_anchor(folder, name)}"></a>'
+                file_lines[0] = file_lines[0].replace("| [", f"| {anchor}[", 1)
+                lines += file_lines
+            lines.append("")
+        if scripts:
+            lines += ["The single-purpose scripts' files, their measurements as rows:", "",
+                      TABLE_HEAD, "|" + " --- |" * (TABLE_HEAD.count(" | ") + 1)]
+            for name, rows_of in scripts.items():
+                file_lines = [_script_line(folder, name, n, r) for n, r in enumerate(rows_of)]
                 anchor = f'<a id="{file_anchor(folder, name)}"></a>'
                 file_lines[0] = file_lines[0].replace("| [", f"| {anchor}[", 1)
                 lines += file_lines
