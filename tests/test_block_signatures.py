@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import weightstream as ws
-from weightstream.offload import prepare
 from weightstream.placement.plan import placement_of
+from weightstream.placement.prepare import prepare
 
 DIM = 6
 TENSOR = "T"  # a placeholder for a tensor leaf in a drawn structure

@@ -20,8 +20,8 @@ from torch import nn
 
 import weightstream as ws
 from weightstream.engine import replay
-from weightstream.offload import prepare
 from weightstream.placement.plan import landing_options, placement_of
+from weightstream.placement.prepare import prepare
 
 DIM = 8
 N_BLOCKS = 5
@@ -126,19 +126,19 @@ def simulate_replay(handle, garbage: bool, seed: int, notify: bool = True) -> No
     the host did not put there (another group's, or noise), and the wrapped replay calls
     replay.notify()."""
     gen = torch.Generator().manual_seed(seed)
-    for buffer in getattr(handle._transfer, "landing", []):
+    for buffer in getattr(handle.engine.transfer, "landing", []):
         if garbage:
             buffer.copy_(torch.randint(0, 256, buffer.shape, dtype=torch.uint8, generator=gen))
         else:
             g = int(torch.randint(0, handle.stats.groups, (1,), generator=gen))
-            blob = handle._arena.region(g)[: buffer.numel()]
+            blob = handle.engine.arena.region(g)[: buffer.numel()]
             buffer[: blob.numel()].copy_(blob)
-    for slot in handle._slots:
+    for slot in handle.engine.slots:
         if garbage:
             slot.copy_(torch.randint(0, 256, slot.shape, dtype=torch.uint8, generator=gen))
         else:
             g = int(torch.randint(0, handle.stats.groups, (1,), generator=gen))
-            region = handle._arena.region(g)
+            region = handle.engine.arena.region(g)
             slot[: region.numel()].copy_(region)
     if notify:
         replay.notify()
@@ -249,7 +249,7 @@ def test_one_slot_copies_the_next_compressed_group_ahead_and_a_replay_resets_it(
     not leave the engine decoding stale bytes, and unnotified it would (so the fuzzer can see it)."""
     ref, model = twin("one", coded=True)
     handle = forced(model, range(N_BLOCKS), 1, landing=2, check=False)
-    landings = handle._transfer.landings
+    landings = handle.engine.transfer.landings
     x = torch.randn(3, CODED_DIM).to(torch.bfloat16)
     with torch.no_grad():
         assert torch.equal(model(x), ref(x))
@@ -260,9 +260,9 @@ def test_one_slot_copies_the_next_compressed_group_ahead_and_a_replay_resets_it(
         assert torch.equal(model.run_block(0, state)["x"], ref.run_block(0, state)["x"])
         # block 0 found its slot filled; its release decoded 1 and copied 2 ahead
         assert landings.held == [2, 1] and handle.stats.prologues == 1
-        blob = handle._arena.region(3)
-        handle._transfer.landing[1][: blob.numel()].copy_(blob)  # a replay left block 3's blob there
-        handle._schedule.invalidate()  # as if only the slots were forgotten: block 1's blob trusted
+        blob = handle.engine.arena.region(3)
+        handle.engine.transfer.landing[1][: blob.numel()].copy_(blob)  # a replay left block 3's blob there
+        handle.engine.schedule.invalidate()  # as if only the slots were forgotten: block 1's blob trusted
         assert not torch.equal(model.run_block(1, state)["x"], ref.run_block(1, state)["x"])
         simulate_replay(handle, garbage=True, seed=1, notify=True)
         assert landings.held == [None, None]
@@ -275,14 +275,14 @@ def test_two_slots_copy_the_next_blob_into_the_landing_buffer_just_decoded():
     block 0 ran, slot 0 holds group 2 (decoded at the release) and buffer 0 already group 4's blob."""
     ref, model = twin("one", coded=True)
     handle = forced(model, range(N_BLOCKS), 2, landing=2)
-    landings, transfer = handle._transfer.landings, handle._transfer
+    landings, transfer = handle.engine.transfer.landings, handle.engine.transfer
     x = torch.randn(3, CODED_DIM).to(torch.bfloat16)
     with torch.no_grad():
         assert torch.equal(model(x), ref(x))
         state = ref.start(x)
         assert torch.equal(model.run_block(0, state)["x"], ref.run_block(0, state)["x"])
         assert landings.held == [4, 3] and landings.pending == [True, True]
-        blob = handle._arena.region(4)
+        blob = handle.engine.arena.region(4)
         assert torch.equal(transfer.landing[0][: blob.numel()], blob)
         assert torch.equal(model(x), ref(x))  # the next forward starts a pass again: exact
     handle.restore()

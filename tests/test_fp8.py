@@ -103,7 +103,7 @@ def test_fp8_streams_half_the_bytes_of_bf16(tmp_path):
     fp8_checkpoint(tmp_path)
     model = ws.from_pretrained(tmp_path, gpu_memory="10MB", device="cpu", progress=False)
     handle = ws.handle_of(model)
-    quantized = [e for e in handle._entries if e.dtype == torch.float8_e4m3fn]
+    quantized = [e for e in handle.engine.entries if e.dtype == torch.float8_e4m3fn]
     assert quantized and all(e.nbytes == e.tensor.numel() for e in quantized)  # one byte a weight
     assert all(e.bf16_bytes == 2 * e.nbytes for e in quantized)
 

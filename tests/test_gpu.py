@@ -16,9 +16,9 @@ from test_offload import Toy, check_peek_model
 
 import weightstream as ws
 from weightstream.engine.guards import live_parameters
-from weightstream.offload import prepare
 from weightstream.placement.blocks import find_blocks
 from weightstream.placement.plan import placement_of
+from weightstream.placement.prepare import prepare
 from weightstream.placement.probe import H200
 from weightstream.placement.timing import capture_graph
 
@@ -137,14 +137,14 @@ def test_raw_and_compressed_groups_sharing_slots_stay_exact_in_any_order(monkeyp
     between them (tests/test_stream_order.py checks their ordering with fake streams)."""
     import sys
 
-    engine = sys.modules["weightstream.offload"]
+    engine = sys.modules["weightstream.handle"]
     encode = engine.encode_groups
     monkeypatch.setattr(engine, "encode_groups", lambda *a, **k: [None, None, None] + encode(*a, **k)[3:])
     ref, model = twins()
     cost = prepare(model, gpu_memory=2**40, compress=True).cost
     placement = placement_of(cost, (0, 1, 2, 3), 2, compressed=True)
     handle = ws.offload(model, gpu_memory=placement.gpu_bytes, placement=placement)
-    assert handle._wire[:3] == [None] * 3 and handle._wire[3] is not None  # the mix it is about
+    assert handle.engine.wire[:3] == [None] * 3 and handle.engine.wire[3] is not None  # the mix it is about
     hidden = torch.randn(2, 16, 64, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -305,7 +305,7 @@ def test_streaming_part_of_each_block_is_exact_eager_compiled_and_in_a_graph(arc
     freed = before - torch.cuda.memory_allocated()
     slack = 512 * sum(1 for _ in model.parameters())
     assert abs(freed - (stats.streamed_bytes - stats.staging_bytes)) <= slack
-    blocks, slots = dict(model.named_modules()), {s.untyped_storage().data_ptr() for s in handle._slots}
+    blocks, slots = dict(model.named_modules()), {s.untyped_storage().data_ptr() for s in handle.engine.slots}
     for name in handle.streamed_blocks:
         in_slots = [t.untyped_storage().data_ptr() in slots for t in live_parameters(blocks[name])]
         assert sum(in_slots) == part  # exactly `part` tensors live in the slots, the rest stay resident

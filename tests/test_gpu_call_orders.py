@@ -14,8 +14,8 @@ from conftest import with_boundaries
 from test_call_orders import CODED_DIM, DIM, N_BLOCKS, Model
 
 import weightstream as ws
-from weightstream.offload import prepare
 from weightstream.placement.plan import placement_of
+from weightstream.placement.prepare import prepare
 from weightstream.placement.timing import capture_graph
 
 pytestmark = pytest.mark.gpu
@@ -109,7 +109,7 @@ def test_a_side_stream_shared_with_another_engine_leaves_captures_intact():
     ref, model = gpu_twin("one", coded=True)
     _, other = gpu_twin("one", coded=True)
     handle, handle_other = forced(model, 1, landing=2), forced(other, 1, landing=2)
-    handle_other._transfer.stream = handle._transfer.stream
+    handle_other.engine.transfer.stream = handle.engine.transfer.stream
     with torch.no_grad():
         x = inp(0, model.dim)
         replay_ref, replay_model = capture_graph(ref, x), capture_graph(model, x)

@@ -117,7 +117,7 @@ def test_compressed_disk_tier_on_the_gpu_lands_and_decodes_blobs_exactly(folder,
     model = ws.from_pretrained(folder, cpu_memory=3 * group + group // 2, cache_dir=tmp_path / "cache",
                                **load)
     handle = ws.handle_of(model)
-    transfer, stats = handle._transfer, handle.stats
+    transfer, stats = handle.engine.transfer, handle.stats
     disk, reader = transfer.disk, transfer.prefetcher
     assert handle.placement.compressed and isinstance(transfer, CodedCudaTransfer)
     raw_of_coded = sum(t.nbytes for g in disk.blobs for t, _ in disk.groups[g])

@@ -20,8 +20,8 @@ from conftest import with_boundaries
 from model_zoo import ZOO, call, same
 
 import weightstream as ws
-from weightstream.offload import prepare
 from weightstream.placement.plan import placement_of
+from weightstream.placement.prepare import prepare
 from weightstream.placement.timing import capture_graph
 
 pytestmark = pytest.mark.gpu

@@ -199,7 +199,7 @@ def test_compressed_disk_tier_reads_its_cache_and_is_exact(tmp_path, chosen):
     want = reference.state_dict()
     model = _compressed_disk_load(folder, **({"cache_dir": tmp_path / "cache"} if chosen else {}))
     handle = ws.handle_of(model)
-    disk, stats = handle._transfer.disk, handle.stats
+    disk, stats = handle.engine.transfer.disk, handle.stats
     assert handle.placement.compressed and 0 < stats.disk_bytes < stats.streamed_bytes
     assert disk.blobs, "some disk groups must shrink"
     cache = disk.cache.path
@@ -216,7 +216,7 @@ def test_compressed_disk_tier_reads_its_cache_and_is_exact(tmp_path, chosen):
             if seed:  # blobs, not the raw tensors: each forward reads its later groups and the next
                 # forward's first ones (the first forward also read its own first groups)
                 assert disk.bytes_read - before == stats.disk_wire_bytes
-    assert handle._transfer.bounce.numel() == disk.max_read_bytes  # sized for what it holds
+    assert handle.engine.transfer.bounce.numel() == disk.max_read_bytes  # sized for what it holds
     assert all(torch.equal(v, want[k]) for k, v in model.state_dict().items())  # guards: true weights
     handle.restore()
     assert all(torch.equal(v, want[k]) for k, v in model.state_dict().items())

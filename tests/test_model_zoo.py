@@ -15,9 +15,9 @@ from conftest import with_boundaries
 from model_zoo import ZOO, call, same
 
 import weightstream as ws
-from weightstream.offload import prepare
 from weightstream.placement.blocks import find_blocks
 from weightstream.placement.plan import placement_of
+from weightstream.placement.prepare import prepare
 
 pytest.importorskip("diffusers")
 

@@ -100,7 +100,7 @@ def test_tied_embedding_is_stored_once(twin):
 def test_streamed_parameters_are_fixed_views_into_the_slots(twin):
     _, model = twin("llama")
     handle = ws.offload(model, gpu_memory=budget_for(model, 0.4), device="cpu", strategy="stream")
-    slots = {s.data_ptr(): s for s in handle._slots}
+    slots = {s.data_ptr(): s for s in handle.engine.slots}
     layer = dict(model.named_modules())[handle.streamed_blocks[0]]
     in_slots = [p for p in live_parameters(layer) if p.untyped_storage().data_ptr() in slots]
     # the whole block, or its `part` largest tensors when the planner streams part of each block
@@ -123,7 +123,7 @@ def test_a_placement_streaming_part_of_each_block_is_exact(twin, arch):
         if p.part:
             seen += 1
             blocks = dict(model.named_modules())
-            slots = {s.untyped_storage().data_ptr() for s in handle._slots}
+            slots = {s.untyped_storage().data_ptr() for s in handle.engine.slots}
             for name in handle.streamed_blocks:
                 sizes = [t.nbytes for t in live_parameters(blocks[name])]
                 in_slot = [t.untyped_storage().data_ptr() in slots for t in live_parameters(blocks[name])]
@@ -199,7 +199,7 @@ def test_unexpected_orders_still_use_the_right_weights(order):
             assert torch.equal(model(x), ref(x))
     misses = [w for w in caught if "out of the learned order" in str(w.message)]
     # warned once per model, and only where a learned order changed (not on the first pass's guesses)
-    assert len(misses) == (1 if handle._schedule.changes else 0)
+    assert len(misses) == (1 if handle.engine.schedule.changes else 0)
 
 
 def test_a_first_pass_out_of_module_order_does_not_warn_but_a_changed_order_does():
@@ -215,12 +215,12 @@ def test_a_first_pass_out_of_module_order_does_not_warn_but_a_changed_order_does
         for _ in range(3):
             assert torch.equal(model(x), ref(x))
         first = handle.stats.misses
-        assert first >= 1 and handle._schedule.changes == 0
+        assert first >= 1 and handle.engine.schedule.changes == 0
         assert not [w for w in caught if "out of the learned order" in str(w.message)]
         ref.order = model.order = [0, 1, 2, 3, 4, 5]
         for _ in range(2):
             assert torch.equal(model(x), ref(x))
-    assert handle._schedule.changes >= 1
+    assert handle.engine.schedule.changes >= 1
     assert len([w for w in caught if "out of the learned order" in str(w.message)]) == 1
 
 
@@ -237,7 +237,7 @@ def test_one_block_called_by_hand_between_forwards():
 def test_persistent_buffers_stream_and_non_persistent_stay_resident():
     _, model = toy_twin()
     handle = toy_streaming_all(model)
-    slots = {s.untyped_storage().data_ptr() for s in handle._slots}
+    slots = {s.untyped_storage().data_ptr() for s in handle.engine.slots}
     block = model.layers[1]
     assert block.scale.untyped_storage().data_ptr() in slots
     assert block.cache.untyped_storage().data_ptr() not in slots
@@ -250,7 +250,7 @@ def test_a_parameter_shared_by_all_blocks_stays_resident():
         layer.fc.bias = ref.layers[0].fc.bias  # shared across blocks, ALBERT style
     model = copy.deepcopy(ref)
     handle = toy_streaming_all(model)
-    slots = {s.untyped_storage().data_ptr() for s in handle._slots}
+    slots = {s.untyped_storage().data_ptr() for s in handle.engine.slots}
     assert model.layers[2].fc.bias.untyped_storage().data_ptr() not in slots
     assert model.layers[2].fc.bias is model.layers[0].fc.bias
     x = torch.randn(3, 16)
@@ -272,7 +272,7 @@ def test_two_offloaded_models_in_one_process_are_independent():
         assert torch.equal(b(x), ref_b(x))
         a.order = ref_a.order = list(range(6))
         assert torch.equal(a(x), ref_a(x))
-    assert ha.engine_id != hb.engine_id and hb.stats.misses == 0
+    assert ha.engine.engine_id != hb.engine.engine_id and hb.stats.misses == 0
     ha.restore()
     with torch.no_grad():
         assert torch.equal(b(x), ref_b(x))
@@ -282,7 +282,7 @@ def test_a_model_dropped_without_restore_frees_its_engine():
     import gc
 
     _, model = toy_twin()
-    engine_id = toy_streaming_all(model).engine_id
+    engine_id = toy_streaming_all(model).engine.engine_id
     assert engine_id in ws.engine.ops._ENGINES
     del model
     gc.collect()
@@ -351,7 +351,7 @@ def test_cuda_without_cuda_is_refused():
 def test_a_compiled_forward_after_restore_says_what_to_do():
     _, model = toy_twin()
     handle = toy_streaming_all(model)
-    engine_id = handle.engine_id
+    engine_id = handle.engine.engine_id
     handle.restore()
     with pytest.raises(ws.OffloadStateError, match="compile or capture the model again"):
         ws.engine.ops.wait([torch.ones(2)], engine_id, 0)

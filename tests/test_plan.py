@@ -196,7 +196,7 @@ def test_mixture_of_experts_decode_reads_routed_experts_in_place_and_prefill_str
     398.9 ms for zero copy against 1341.4 ms streaming). At 2048 tokens every expert is reached and
     streaming wins."""
     pytest.importorskip("transformers")
-    from weightstream.offload import prepare
+    from weightstream.placement.prepare import prepare
     from weightstream.placement.shapes import meta_model
 
     model = meta_model("mixtral-8x7b")

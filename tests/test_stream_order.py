@@ -1,4 +1,4 @@
-"""The CUDA transfers' stream ordering, checked on the CPU: the real `OffloadHandle.wait` / `release`,
+"""The CUDA transfers' stream ordering, checked on the CPU: the real `StreamEngine.wait` / `release`,
 `CudaTransfer`, `CodedCudaTransfer` and `Landings` drive fake streams and events that keep vector
 clocks, so every write into a slot or landing buffer must be ordered after every earlier write and read
 of it, and every read (a block's compute, a decode) after the write it reads, with the group it expects.
@@ -25,9 +25,9 @@ from hypothesis import strategies as st
 
 import weightstream.engine.transfer as transfer_module
 import weightstream.wire.groups as wire_module
+from weightstream.engine.engine import StreamEngine
 from weightstream.engine.schedule import Schedule
 from weightstream.engine.watch import TensorWatch
-from weightstream.offload import OffloadHandle
 
 
 class Race(AssertionError):
@@ -213,7 +213,7 @@ def fake_cuda(monkeypatch):
 
 
 def engine(n_groups: int, n_slots: int, coded: list[bool], n_landing: int):
-    """An OffloadHandle with only what wait/release use, over a CUDA transfer of fake buffers."""
+    """A StreamEngine with only what wait/release use, over a CUDA transfer of fake buffers."""
     slots = [Buffer(f"slot{s}") for s in range(n_slots)]
     if any(coded):
         transfer = wire_module.CodedCudaTransfer.__new__(wire_module.CodedCudaTransfer)
@@ -233,13 +233,13 @@ def engine(n_groups: int, n_slots: int, coded: list[bool], n_landing: int):
     transfer.prefetcher, transfer.device, transfer.stream = None, "cuda", Stream("copy")
     transfer.ready = [Event() for _ in slots]
     transfer.ready_in_capture = [False] * n_slots
-    handle = OffloadHandle.__new__(OffloadHandle)
-    handle._schedule = Schedule(n_groups, n_slots)
-    handle._transfer, handle._capturing, handle._warned = transfer, False, True
-    handle._lock, handle._owner = threading.Lock(), None
-    handle.streamed_blocks = [f"block{g}" for g in range(n_groups)]
-    handle._watch, handle._check, handle._peft = TensorWatch([[] for _ in range(n_groups)]), False, {}
-    return handle
+    engine = StreamEngine.__new__(StreamEngine)
+    engine.schedule = Schedule(n_groups, n_slots)
+    engine.transfer, engine.capturing, engine.warned = transfer, False, True
+    engine.lock, engine.owner = threading.Lock(), None
+    engine.names = [f"block{g}" for g in range(n_groups)]
+    engine.watch, engine.check, engine.peft = TensorWatch([[] for _ in range(n_groups)]), False, {}
+    return engine
 
 
 def capture(handle, groups) -> None:
@@ -264,7 +264,7 @@ def replay(handle) -> None:
 def run_block(handle, group: int, abort: bool = False) -> None:
     """A streamed block: wait, compute reading its slot on the compute stream, release (or raise)."""
     handle.wait(group)
-    read(handle._transfer.slots[handle._schedule.slot(group)], group)
+    read(handle.transfer.slots[handle.schedule.slot(group)], group)
     handle.abort() if abort else handle.release(group)
 
 
@@ -327,7 +327,7 @@ def test_a_raw_copy_and_a_decode_into_one_slot_are_ordered(fake_cuda):
         for g in order:
             run_block(handle, g)
         handle = engine(5, 2, coded, 2)
-        handle._transfer.after_last_write = lambda stream, slot: None  # the ordering left out
+        handle.transfer.after_last_write = lambda stream, slot: None  # the ordering left out
         with pytest.raises(Race, match="slot0: writing 4 on decode is not ordered after copy"):
             for g in order:
                 run_block(handle, g)
@@ -345,7 +345,7 @@ def test_two_captures_in_a_row_never_wait_on_each_others_events(fake_cuda):
         for g in range(4):
             run_block(handle, g)
     handle = engine(4, 2, [False] * 4, 2)
-    handle._transfer.forget_events = lambda: None  # left out: the second capture waits on the first's
+    handle.transfer.forget_events = lambda: None  # left out: the second capture waits on the first's
     capture(handle, range(4))
     with pytest.raises(Race, match=r"waits in capture \d+ on an event recorded in capture \d+"):
         capture(handle, range(4))
@@ -368,6 +368,6 @@ def test_a_replay_is_ordered_after_the_copies_in_flight_before_it(fake_cuda):
     capture(handle, range(4))
     for g in range(4):
         run_block(handle, g)
-    handle._transfer.join_for_graph = lambda: None  # left out: the copies in flight are not joined
+    handle.transfer.join_for_graph = lambda: None  # left out: the copies in flight are not joined
     with pytest.raises(Race, match="slot0: writing 0 on compute is not ordered after copy"):
         replay(handle)

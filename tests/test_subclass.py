@@ -46,7 +46,7 @@ def assert_same_state(model, original) -> None:
 
 def slot_owned(handle, tensor) -> bool:
     """True when every inner tensor of `tensor` is a view into one of the handle's slots."""
-    slots = {s.untyped_storage().data_ptr() for s in handle._slots}
+    slots = {s.untyped_storage().data_ptr() for s in handle.engine.slots}
     return all(leaf.untyped_storage().data_ptr() in slots for leaf in subclass.leaves_of(tensor))
 
 
@@ -63,7 +63,7 @@ def offload_streaming(model, strategy="stream"):
 
 def slot_offset(handle, tensor) -> int:
     """Byte offset of `tensor` in the slot that holds it."""
-    for slot in handle._slots:
+    for slot in handle.engine.slots:
         if slot.data_ptr() <= tensor.data_ptr() < slot.data_ptr() + slot.numel():
             return tensor.data_ptr() - slot.data_ptr()
     raise AssertionError("not in a slot")
@@ -78,7 +78,7 @@ def assert_streams_exactly(ref, model, compiled=True):
     assert stats.groups >= 1 and stats.streamed_bytes > 0
     assert stats.resident_bytes + stats.streamed_bytes == stored_bytes(ref)
     assert handle.placement.gpu_bytes <= budget
-    streamed = [e for g in handle._groups for e, _ in g]
+    streamed = [e for g in handle.engine.groups for e, _ in g]
     assert all(slot_owned(handle, e.tensor) for e in streamed)
     leaves = [leaf for e in streamed for leaf in subclass.leaves_of(e.tensor)]
     assert all(slot_offset(handle, leaf) % ALIGN == 0 for leaf in leaves)

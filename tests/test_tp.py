@@ -61,7 +61,7 @@ def _rank(rank: int, port: int, results) -> None:
         stats = handle.stats
         from torch.distributed.tensor import DTensor
 
-        sharded = [e for g in handle._groups for e, _ in g if isinstance(e.tensor, DTensor)]
+        sharded = [e for g in handle.engine.groups for e, _ in g if isinstance(e.tensor, DTensor)]
         # what a rank moves for a sharded weight is its local shard, not the global tensor
         shard_bytes = all(e.nbytes == e.tensor.to_local().nbytes < e.tensor.numel() * e.tensor.element_size()
                           for e in sharded)

@@ -227,7 +227,7 @@ def test_plan_report_shows_the_wire_for_a_meta_model():
 def test_groups_too_big_for_the_landing_buffer_stream_raw_and_no_triton_on_cpu():
     import sys
 
-    from weightstream.offload import prepare
+    from weightstream.placement.prepare import prepare
     from weightstream.wire.groups import encode_groups
 
     _, model = bf16_twin("llama")
@@ -246,7 +246,7 @@ def test_the_state_dict_of_a_compressed_model_is_the_true_weights():
     ref, model = bf16_twin("llama", torch.bfloat16)
     handle = ws.offload(model, gpu_memory=int(weight_bytes(model) * 0.6), device="cpu", strategy="stream",
                         compress=True)
-    assert handle.placement.compressed and any(handle._wire)
+    assert handle.placement.compressed and any(handle.engine.wire)
     want = ref.state_dict()
     guards = model.__dict__["_ws_guards"]
     got = model.state_dict()

@@ -377,10 +377,10 @@ def test_without_check_mode_a_write_through_data_is_not_seen():
 def test_check_mode_is_on_from_the_environment(monkeypatch):
     monkeypatch.setenv("WEIGHTSTREAM_CHECK", "1")
     _, handle = streamed(linear_chain(), 2)
-    assert handle._check
+    assert handle.engine.check
     monkeypatch.setenv("WEIGHTSTREAM_CHECK", "0")
     _, handle = streamed(linear_chain(), 2)
-    assert not handle._check
+    assert not handle.engine.check
 
 
 @pytest.mark.slow

@@ -25,9 +25,10 @@ from torch import nn
 
 from .dtypes import default_dtype
 from .errors import ArgumentError, BudgetError, OffloadStateError
-from .offload import OffloadHandle, OffloadStats, offload, prepare
+from .handle import OffloadHandle, OffloadStats, offload_module
 from .placement.cost import ModelCost
 from .placement.plan import STRATEGIES, Placement, _candidates, landing_options, placement_of, wire_of
+from .placement.prepare import prepare
 from .placement.probe import MachineProfile, load_profile
 from .sizes import format_size, parse_size
 
@@ -322,8 +323,8 @@ def offload_pipeline(
     try:
         for name, m in modules.items():
             p = plans[name].placement
-            handles[name] = offload(m, p.gpu_bytes, device=device, pin_memory=pin_memory, placement=p,
-                                    compress=p.compressed, check=check)
+            handles[name] = offload_module(m, p.gpu_bytes, device=device, pin_memory=pin_memory,
+                                           placement=p, compress=p.compressed, check=check)
     except BaseException:
         for h in handles.values():
             h.restore()

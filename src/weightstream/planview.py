@@ -7,9 +7,9 @@ from pathlib import Path
 import torch
 
 from .formats.hf import choose_disk_groups, diffusers_class
-from .offload import prepare
 from .placement.cost import predict
 from .placement.plan import wire_of
+from .placement.prepare import prepare
 from .placement.probe import load_profile
 from .placement.shapes import meta_model
 from .sizes import format_size, parse_size

@@ -29,21 +29,14 @@ from torch import nn
 
 from ..errors import InferenceOnlyError, OffloadStateError
 from ..formats.checkpoint import read_into
-from . import ops
-
-INFERENCE_ONLY = (
-    "an offloaded model is for inference only: its streamed weights are views of staging buffers that "
-    "the next group's copy overwrites, so {what} cannot work. Run under torch.no_grad() or "
-    "torch.inference_mode() with gradients off, or call handle.restore() to get a trainable model back"
-)
+from .ops import INFERENCE_ONLY
 
 
 class ModelGuards:
     """The guards of one offloaded model; `remove()` takes them all off again (from `restore`)."""
 
-    def __init__(self, handle) -> None:
-        self.handle = handle
-        model = handle.model
+    def __init__(self, engine, model) -> None:
+        self.engine = engine
         self.modules = list(model.modules())
         self.training = [m.training for m in self.modules]
         self.grads = [p for p in model.parameters() if p.requires_grad]
@@ -60,7 +53,7 @@ class ModelGuards:
         for module, names in sites.values():
             self._hooks.append(module.register_state_dict_post_hook(self._state_dict_hook(names)))
         # before any: the tensors the model rebound since its last forward are what it holds now
-        self._hooks.append(model.register_state_dict_pre_hook(lambda *args: self.handle.settle()))
+        self._hooks.append(model.register_state_dict_pre_hook(lambda *args: self.engine.settle()))
         # the model's own hook runs after every submodule's: the decoded group is not kept afterwards
         self._hooks.append(model.register_state_dict_post_hook(lambda *args: self.forget_decoded()))
         for module in self.modules:
@@ -71,7 +64,7 @@ class ModelGuards:
     def _off_gpu(self):
         """(entry, arena region, slice) of every tensor kept off the GPU: the streamed groups' (regions
         0..), then the zero-copy groups' (after them, as in the arena)."""
-        for g, group in enumerate(self.handle._groups + self.handle._uva_groups):
+        for g, group in enumerate(self.engine.groups + self.engine.uva_groups):
             for entry, sl in group:
                 yield entry, g, sl
 
@@ -85,19 +78,19 @@ class ModelGuards:
         if found is None:
             return tensor
         entry, g, sl = found
-        transfer = self.handle._transfer
-        if g < len(self.handle._groups) and transfer.on_disk(g):
+        transfer = self.engine.transfer
+        if g < len(self.engine.groups) and transfer.on_disk(g):
             stored = next(st for st, s in transfer.disk.groups[g] if s.offset == sl.offset)
             raw = torch.empty(sl.nbytes, dtype=torch.uint8)
             read_into(stored, raw)
             return entry.view_of(raw)
-        wire = self.handle._wire
+        wire = self.engine.wire
         if g < len(wire) and wire[g] is not None:  # compressed in the arena: decode the group
             if self._decoded[0] != g:
                 self._decoded = (g, transfer.raw_group(g).cpu())
             raw = self._decoded[1][sl.offset : sl.offset + sl.nbytes].clone()
             return entry.view_of(raw)
-        return entry.view_of(self.handle._arena.region(g)[sl.offset : sl.offset + sl.nbytes])
+        return entry.view_of(self.engine.arena.region(g)[sl.offset : sl.offset + sl.nbytes])
 
     def forget(self, tensor: torch.Tensor) -> None:
         """`tensor` no longer streams (the model writes it, or rebound it): it is its own true value."""
@@ -213,21 +206,3 @@ _PATCHES = {
     "__deepcopy__": _guarded_deepcopy,
     "__reduce_ex__": _guarded_reduce_ex,
 }
-
-
-def refuse_autograd() -> None:
-    """Raise the error for autograd through streamed blocks: the ops' autograd rule and the eager
-    schedule calls (`ops.eager`) raise the same."""
-    raise InferenceOnlyError(INFERENCE_ONLY.format(what="autograd through streamed blocks"))
-
-
-def _no_autograd(ctx, inputs, output) -> None:
-    refuse_autograd()
-
-
-def _unreachable_backward(ctx, grad):  # setup_context always raises first
-    raise InferenceOnlyError(INFERENCE_ONLY.format(what="backward()"))
-
-
-for _op in (ops.wait, ops.release):
-    _op.register_autograd(_unreachable_backward, setup_context=_no_autograd)

@@ -23,7 +23,13 @@ from typing import Protocol
 
 import torch
 
-from ..errors import OffloadStateError
+from ..errors import InferenceOnlyError, OffloadStateError
+
+INFERENCE_ONLY = (
+    "an offloaded model is for inference only: its streamed weights are views of staging buffers that "
+    "the next group's copy overwrites, so {what} cannot work. Run under torch.no_grad() or "
+    "torch.inference_mode() with gradients off, or call handle.restore() to get a trainable model back"
+)
 
 
 class _Engine(Protocol):
@@ -103,8 +109,6 @@ def eager(op, tensors: list[torch.Tensor], engine_id: int, group: int) -> list[t
 
 def _refuse_autograd(tensors: list[torch.Tensor]) -> None:
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        from .guards import refuse_autograd  # guards imports this module
-
         refuse_autograd()
 
 
@@ -134,3 +138,21 @@ def release(tensors: list[torch.Tensor], engine_id: int, group: int) -> list[tor
 @release.register_fake
 def _release_fake(tensors: list[torch.Tensor], engine_id: int, group: int) -> list[torch.Tensor]:
     return [torch.empty_like(t) for t in tensors]
+
+
+def refuse_autograd() -> None:
+    """Raise the error for autograd through streamed blocks: the ops' autograd rule and the eager
+    schedule calls (`ops.eager`) raise the same."""
+    raise InferenceOnlyError(INFERENCE_ONLY.format(what="autograd through streamed blocks"))
+
+
+def _no_autograd(ctx, inputs, output) -> None:
+    refuse_autograd()
+
+
+def _unreachable_backward(ctx, grad):  # setup_context always raises first
+    raise InferenceOnlyError(INFERENCE_ONLY.format(what="backward()"))
+
+
+for _op in (wait, release):
+    _op.register_autograd(_unreachable_backward, setup_context=_no_autograd)

@@ -226,13 +226,14 @@ def _streamed_class(base: type) -> type:
 
 
 if TYPE_CHECKING:
-    from ..offload import OffloadHandle
+    from .engine import StreamEngine
 
 
-def _install_schedule(handle: OffloadHandle, blocks: list[nn.Module]) -> None:
-    for group, index in enumerate(handle.placement.streamed):
+def _install_schedule(engine: StreamEngine, blocks: list[nn.Module], installed: list[nn.Module]) -> None:
+    """Give each streamed block of `blocks` (by the placement's indices) its streamed class, calling
+    `engine` for its group; append them to `installed`."""
+    for group, index in enumerate(engine.placement.streamed):
         block = blocks[index]
-        block._ws_engine_id, block._ws_group = handle.engine_id, group
+        block._ws_engine_id, block._ws_group = engine.engine_id, group
         block.__class__ = _streamed_class(type(block))
-        handle._streamed_modules.append(block)
-
+        installed.append(block)

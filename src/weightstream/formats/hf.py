@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 from ..dtypes import parse_dtype
 from ..engine.host import HostArena
 from ..errors import BudgetError, CheckpointError
-from ..offload import finish
+from ..handle import finish
 from ..placement.entries import Entry
 from ..placement.plan import spread
 from ..placement.prepare import final_places, prepare

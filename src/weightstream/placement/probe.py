@@ -308,9 +308,7 @@ def load_profile(device: torch.device | str | None = None, refresh: bool = False
 def measure_in_child(device: torch.device) -> MachineProfile:
     """`measure(device)` run in a child process: its GPU buffers, pinned buffers and CUDA graphs never
     enter this process's caching allocator or memory statistics (the caller may be mid-offload)."""
-    import weightstream
-
-    package_root = str(Path(weightstream.__file__).resolve().parent.parent)
+    package_root = str(Path(__file__).resolve().parents[2])  # the folder holding weightstream/
     path = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
     env = dict(os.environ, PYTHONPATH=path)
     index = device.index if device.index is not None else torch.cuda.current_device()

@@ -1,0 +1,294 @@
+"""The stream engine: what the schedule ops call during a forward (`ops.py`): the slot pool, the
+transfer that fills it, the schedule that orders the copies, and the watch over tensors the model
+writes. One per offloaded model; the user's `OffloadHandle` (`weightstream/offload.py`) owns it and
+reads its counters for `stats`.
+
+A block's window: `wait(group)` makes the group's weights ready in its slot, the block computes,
+`release(group)` starts the copy of the next group that uses the slot. Between the two the engine's
+lock is held, so two threads' blocks never interleave.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from ..errors import BudgetError, OffloadStateError
+from ..placement.entries import _set_tensor
+from ..sizes import format_size
+from ..wire.groups import make_transfer
+from . import ops, replay
+from .host import HostArena
+from .schedule import Schedule
+from .watch import REBOUND, TensorWatch, Watched, peft_layers
+
+if TYPE_CHECKING:
+    from ..placement.prepare import Prepared
+
+LOCK_TIMEOUT_S = 300.0  # how long a thread waits for another thread's block before it gives up
+
+
+class StreamEngine:
+    """Streams one offloaded model's groups through its slots. Built by `offload.finish`; registered
+    with the ops (`engine_id`) until `close()`.
+
+    Attributes the handle and the guards read: `device`, `placement`, `names` (the streamed blocks'
+    names, group by group), `entries`, `groups` and `uva_groups` (each a list of (entry, slice)),
+    `arena`, `slots`, `schedule`, `transfer`, `wire` (each group's encoding or None), `group_bytes`,
+    `budget`, `state_bytes` and `state_names` (tensors the model writes, kept resident since),
+    `guards` (the model's `ModelGuards`, set by `finish`).
+    """
+
+    def __init__(self, prep: Prepared, arena: HostArena, slots: list[torch.Tensor], disk=None,
+                 pin: bool = True, check: bool = False) -> None:
+        self.device = prep.device
+        self.placement = prep.placement
+        self.names = [prep.block_names[i] for i in prep.placement.streamed]
+        self.entries = prep.entries
+        self.groups = prep.groups
+        self.uva_groups = prep.uva_groups
+        self.arena = arena
+        self.slots = slots
+        self.slot_storages = {s.untyped_storage().data_ptr() for s in slots}
+        self.schedule = Schedule(len(prep.groups), prep.placement.n_slots)
+        self.wire = prep.wire or [None] * len(prep.groups)
+        self.group_bytes = prep.group_bytes
+        self.transfer = make_transfer(arena, slots, prep.device, disk, pin, prep.wire,
+                                      prep.placement.landing_bytes, prep.placement.n_landing)
+        self.warned = False
+        self.capturing = False  # whether the last op ran inside a CUDA graph capture
+        self.lock = threading.Lock()
+        self.owner: int | None = None  # thread id holding the lock
+        self.budget = prep.budget
+        self.state_bytes = 0  # bytes of streamed tensors the model writes, kept resident since
+        self.state_names: list[str] = []  # their names (edit() keeps them resident when it offloads again)
+        self.watch = TensorWatch(prep.groups)
+        self.peft = peft_layers(prep.model, {id(e.tensor) for group in prep.groups for e, _ in group})
+        self.check = check
+        self.guards = None
+        self.engine_id = ops.register(self)
+        replay.install()  # the process-wide patch; the last engine closed takes it off
+
+    # --- the schedule, called from the custom ops -------------------------------------------------
+    def wait(self, group: int) -> None:
+        """Make group `group`'s weights ready in its slot before its block computes."""
+        self._enter()
+        try:
+            self.transfer.check_capture()
+            capturing = self.transfer.capturing()
+            if capturing != self.capturing:  # a capture began or ended: its copies ran not / not yet
+                self.capturing = capturing
+                self._invalidate()
+            self._outside_writes(group)
+            plan = self.schedule.on_wait(group, capturing)
+            for slot, g in plan.copies:  # every group of the prologue first, then what goes ahead
+                self.transfer.start_copy(slot, g)
+            for _, g in plan.copies:
+                self._copy_ahead(g, capturing)
+            self.transfer.wait(plan.slot)
+            if self.check and not capturing:
+                self._verify(group, "before")
+            if plan.changed and not self.warned:  # only a miss is ever `changed`
+                self.warned = True
+                warnings.warn(
+                    f"weightstream: block {self.names[group]} ran out of the learned order; "
+                    "its weights were copied when it was called (correct, but slower) and the new order "
+                    "is learned. handle.stats.misses counts such waits. Warned once per model.",
+                    stacklevel=2,
+                )
+        except BaseException:
+            self._invalidate()  # copies may have been half started
+            self._leave()
+            raise
+
+    def release(self, group: int) -> None:
+        """After group `group` computed: start the copy of the next group that uses its slot."""
+        try:
+            self._inside_writes(group)
+            if self.check and not self.capturing:
+                self._verify(group, "after")
+        except BaseException:
+            self._invalidate()
+            self._leave()
+            raise
+        plan = self.schedule.on_release(group, self.capturing)
+        for slot, g in plan.copies:  # every copy first, then what goes ahead, as a prologue does
+            self.transfer.start_copy(slot, g)
+        for _, g in plan.copies:
+            self._copy_ahead(g, self.capturing)
+        if plan.join:
+            self.transfer.join()
+        self._leave()
+
+    def unalias(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """`tensors`, each that shares memory with a staging slot copied (the eager ops pass the rest
+        through): a block's input or output must not change when the next group lands in its slot."""
+        return [t.clone() if t.untyped_storage().data_ptr() in self.slot_storages else t for t in tensors]
+
+    # --- tensors the model writes (watch.py) -------------------------------------------------------
+    def _inside_writes(self, group: int) -> None:
+        """At `group`'s release: a tensor of the group its block wrote in place is state, not a weight:
+        it moves to resident storage (from the slot, which holds the write until the next copy), within
+        the budget; one its block rebound is adopted."""
+        for w, change in self.watch.changes(group):
+            if change == REBOUND:
+                self._unstream(group, w, None)
+                continue
+            entry = w.entry
+            left = self.budget - self.placement.gpu_bytes - self.state_bytes
+            if self.capturing:
+                raise OffloadStateError(
+                    f"{entry.name} is written by block {self.names[group]} while a CUDA graph is "
+                    "captured: weightstream keeps a tensor the model writes resident, which it cannot do "
+                    "inside a capture. Run one forward before capturing (it moves the tensor then)")
+            if entry.nbytes > left:
+                raise BudgetError(
+                    f"{entry.name} ({format_size(entry.nbytes)}) is written by block "
+                    f"{self.names[group]} in its forward: it is state, not a weight, so it must "
+                    f"stay on {self.device}, but the budget has {format_size(max(left, 0))} left: offload "
+                    f"with gpu_memory >= {format_size(self.budget - left + entry.nbytes)}",
+                    self.budget - left + entry.nbytes)
+            self.state_bytes += entry.nbytes
+            self.state_names.append(entry.name)
+            self._unstream(group, w, w.tensor.detach().clone())
+            warnings.warn(
+                f"weightstream: {entry.name} ({format_size(entry.nbytes)}) is written in place by block "
+                f"{self.names[group]}: it is state, not a weight, so it stays on {self.device} "
+                f"from now on instead of streaming ({format_size(self.state_bytes)} of the "
+                f"{format_size(self.budget)} budget kept for such tensors)", stacklevel=2)
+
+    def _outside_writes(self, group: int) -> None:
+        """At a wait: streamed tensors changed outside every block's window (between forwards, by the
+        user or a library). Checked for every group where a forward begins (and at every wait in check
+        mode), else for `group`'s. A rebinding is adopted; an in-place write landed in whichever group
+        the slot held, so it is discarded (the slots are refilled) and refused with an error."""
+        full = self.check or self.schedule.pass_start in (None, group)
+        written = self._adopt_rebound(self.watch.all_changes() if full
+                                      else [(group, w, c) for w, c in self.watch.changes(group)])
+        merged = [m for m, n in self.peft.items() if len(m.merged_adapters) != n] if full else []
+        if not written and not merged:
+            return
+        self._invalidate()
+        for w in written:
+            self.watch.accept(w)
+        for m in merged:
+            self.peft[m] = len(m.merged_adapters)
+        if written:
+            w = written[0]
+            kind = "parameter" if isinstance(w.tensor, nn.Parameter) else "buffer"
+            what = f"{kind} {w.entry.name} was written in place"
+        else:
+            what = (f"PEFT adapters were merged into or unmerged from {type(merged[0]).__name__} layers' "
+                    "weights")
+        raise OffloadStateError(
+            f"{what} outside its block's forward while offloaded. A streamed tensor is a view of a staging "
+            "buffer that other blocks share, so the write went to whichever block's weights the buffer "
+            "held and was discarded (the tensors are as they were before it). To edit weights (PEFT "
+            "merge_adapter, diffusers fuse_lora, w.mul_(s)), do it inside `with handle.edit():` or before "
+            "offload(). If a compiled forward wrote it (torch.compile applies a block's in-place writes "
+            "after the block's window), it is state: run one forward eagerly before compiling, and "
+            "weightstream keeps it resident")
+
+    def _unstream(self, group: int, w: Watched, value: torch.Tensor | None) -> None:
+        """Stop streaming `w`'s entry: it becomes resident at `value` (None: at what the model bound in
+        its place). Its bytes stay in the group's layout, unread."""
+        entry = w.entry
+        self.groups[group][:] = [(e, sl) for e, sl in self.groups[group] if e is not entry]
+        self.watch.drop(group, w)
+        self.guards.forget(w.tensor)
+        if value is not None:
+            _set_tensor(entry, value)
+        else:
+            bound = w.bound()
+            if bound is not None:
+                entry.tensor = bound
+
+    def settle(self) -> list[str]:
+        """Adopt every streamed tensor the model rebound since the last forward (so `state_dict()` and
+        `restore()` see what the model holds); return the names of those written in place outside any
+        block's forward (their writes went to staging buffers)."""
+        return [w.entry.name for w in self._adopt_rebound(self.watch.all_changes())]
+
+    def _adopt_rebound(self, found: list[tuple[int, Watched, str]]) -> list[Watched]:
+        """Adopt each rebound tensor of `found` ((group, watched, change) triples, as
+        `TensorWatch.all_changes` gives them); return those written in place instead."""
+        written = []
+        for g, w, change in found:
+            if change == REBOUND:
+                self._unstream(g, w, None)
+            else:
+                written.append(w)
+        return written
+
+    def _verify(self, group: int, when: str) -> None:
+        """Check mode: the slot of `group` holds each of its tensors' bytes (`when`: "before" or "after"
+        the block ran)."""
+        raw = self.transfer.raw_group(group)
+        slot = self.slots[self.schedule.slot(group)]
+        for entry, sl in self.groups[group]:
+            got = slot[sl.offset : sl.offset + sl.nbytes]
+            if not torch.equal(got, raw[sl.offset : sl.offset + sl.nbytes].to(got.device)):
+                raise OffloadStateError(
+                    f"weightstream check: {when} block {self.names[group]} ran, its staging slot "
+                    f"does not hold {entry.name}'s bytes: something wrote streamed memory "
+                    + ("between forwards (through .data, which no version counter sees)" if when == "before"
+                       else "in the block's forward without an in-place op that torch tracks (.data)"))
+
+    def _copy_ahead(self, group: int, capturing: bool) -> None:
+        """After `group` was started into its slot: send the bytes of the group the schedule offers
+        ahead of its slot, where the transfer can (a compressed group's blob into a free landing
+        buffer), and tell the schedule when it did."""
+        nxt = self.schedule.ahead(group, capturing)
+        if nxt is not None and self.transfer.copy_ahead(nxt):
+            self.schedule.sent(nxt)
+
+    def abort(self) -> None:
+        """A block raised between its wait and its release: free the engine for other threads. The
+        slots' bookkeeping stays true (nothing was copied behind its back)."""
+        self._leave()
+
+    def on_graph_event(self, synchronize: bool = False) -> None:
+        """A CUDA graph capture begins or ends, or a replay starts (`replay.py`): join the copies in
+        flight (`synchronize`: before a capture, wait for them on the host) and forget what the slots
+        hold."""
+        if synchronize:
+            self.transfer.synchronize_idle()
+        self.transfer.join_for_graph()
+        self.transfer.forget_events()
+        self._invalidate()
+
+    def _invalidate(self) -> None:
+        """Forget what the slots and landing buffers hold."""
+        self.schedule.invalidate()
+        self.transfer.forget()
+
+    def _enter(self) -> None:
+        """Serialize blocks across threads: two threads' blocks never interleave inside one block."""
+        me = threading.get_ident()
+        if self.owner == me:
+            return  # this thread's last block raised inside a compiled graph before its release
+        if not self.lock.acquire(timeout=LOCK_TIMEOUT_S):
+            raise OffloadStateError(
+                f"weightstream: another thread has held this offloaded model for {LOCK_TIMEOUT_S:.0f} s "
+                "inside one block (a compiled forward that raised part-way leaves it held): call the "
+                "model from one thread at a time, or offload one copy of it per thread"
+            )
+        self.owner = me
+
+    def _leave(self) -> None:
+        if self.owner == threading.get_ident():
+            self.owner = None
+            self.lock.release()
+
+    def close(self) -> None:
+        """Free the slots and the host arena and leave the ops' registry (after `restore` read the
+        true bytes back)."""
+        self.slots.clear()
+        self.arena.close()
+        ops.unregister(self.engine_id)
+        if not ops.engines():
+            replay.uninstall()

@@ -1,0 +1,109 @@
+"""The package's shape: no import circles between its modules, and process-wide patches that last only
+while a model is offloaded."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import torch
+from torch import nn
+
+import weightstream as ws
+from weightstream.engine import ops, replay
+
+PACKAGE = Path(ws.__file__).resolve().parent
+
+
+def _modules() -> dict[str, Path]:
+    """Every module of the package by dotted name (a package by its own name)."""
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        found[".".join(parts)] = path
+    return found
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The package's modules that `name` imports, at any depth of its code (a function's import
+    included), except under `if TYPE_CHECKING:`. `from . import x` imports the module x, not the
+    package."""
+    tree = ast.parse(path.read_text())
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    skipped = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+               and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            submodules = {f"{target}.{a.name}" for a in node.names} & modules.keys()
+            found |= submodules
+            if len(submodules) < len(node.names):
+                found.add(target)
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+    return (found & modules.keys()) - {name}
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle of `graph`, as the list of its modules, or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_the_cycle_finder_finds_a_circle_and_none_where_there_is_none():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_no_module_of_the_package_imports_itself_back_in_a_circle():
+    modules = _modules()
+    assert {"weightstream.engine.engine", "weightstream.placement.plan", "weightstream.wire.codec",
+            "weightstream.formats.hf", "weightstream.offload"} <= modules.keys()
+    graph = {name: _imports(name, path, modules) for name, path in modules.items()}
+    # the walk sees real edges: the front door reaches the engine through the handle
+    assert "weightstream.handle" in graph["weightstream.offload"]
+    assert "weightstream.engine.engine" in graph["weightstream.handle"]
+    circle = _cycle(graph)
+    assert circle is None, "import circle: " + " -> ".join(circle)
+
+
+def test_the_cuda_graph_hook_is_installed_while_a_model_is_offloaded_and_gone_after_the_last_restore():
+    graph = torch.cuda.CUDAGraph
+    before = {name: getattr(graph, name) for name in ("capture_begin", "capture_end", "replay")}
+    assert not ops.engines() and not replay.installed()
+    models = [nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)]) for _ in range(2)]
+    handles = [ws.offload(m, gpu_memory=8 * 8 * 4 * 3, device="cpu", blocks=[""], strategy="stream")
+               for m in models]
+    assert replay.installed()
+    assert all(getattr(graph, name) is not method for name, method in before.items())
+    handles[0].restore()
+    assert replay.installed()  # the other model is still offloaded
+    handles[1].restore()
+    assert not replay.installed()
+    assert {name: getattr(graph, name) for name in before} == before
