@@ -1,7 +1,13 @@
 """`weightstream bench`: every offload method on the same random bf16 weights, in one process.
 
     weightstream bench --shape llama-3-8b --budgets 0.25,0.5,0.75 --out /tmp/out/suite_llama-3-8b.json
+    weightstream bench --kind pipeline --shape flux-dev-pipeline --budgets 16GiB --out /tmp/out/pipe.json
     weightstream bench --report benchmarks/results --index benchmarks/results/INDEX.md
+
+`--kind` picks what one run measures (`kinds.py`): `suite` (the default, below), `pipeline` (whole
+diffusers pipeline generations), `load` (a checkpoint loaded into place, host and disk tiers), `codec`
+(the wire codec alone); `--bound`, `--waits` and `--predict` read stored results or plan, running
+nothing; `--profile DIR` adds a profile of each measured call.
 
 Phases: one forward on fixed random inputs (`phases.py`). Modes: `eager`; `compiled` =
 `torch.compile(fullgraph=True, dynamic=False)`; `graph` = a CUDA graph captured from the compiled call,
@@ -25,14 +31,14 @@ import torch
 from ..errors import ArgumentError, WeightstreamError
 from ..placement.prepare import _resolve_device
 from ..usage import USAGE_ERROR, OneLineParser
-from . import methods as registry
+from . import kinds
 from .index import folder_errors, result_files, write_index
 from .limits import check_limits
 from .phases import DEFAULT_PHASES, parse_phase
 from .report import markdown_table, page_plots, write_benchmarks_md
 from .runner import resolve_budget, run_suite
 from .schema import DEFAULT_MODES, load_results, validate_files
-from .shapes import SHAPES, shape_weight_bytes
+from .shapes import shape_weight_bytes
 
 
 def _csv(text: str) -> list[str]:
@@ -42,14 +48,21 @@ def _csv(text: str) -> list[str]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     """The `weightstream bench` command line; see the module docstring."""
     p = OneLineParser(prog="weightstream bench", description=__doc__.split("\n")[0])
-    p.add_argument("--shape", choices=list(SHAPES), default="llama-3-8b")
-    p.add_argument("--budgets", type=_csv, default=["0.25", "0.5", "0.75"],
-                   help="GPU budgets: fractions of the weight bytes (0.25) or sizes (8GiB), comma separated")
-    p.add_argument("--phases", type=_csv, default=list(DEFAULT_PHASES), help="decode-bN, prefill-N")
-    p.add_argument("--methods", type=_csv, default=[m.name for m in registry.METHODS], help="default: all")
-    p.add_argument("--modes", type=_csv, default=list(DEFAULT_MODES),
-                   help="eager, compiled, graph (default), graph-eager")
-    p.add_argument("--reps", type=int, default=10, help="timed forwards per measurement")
+    p.add_argument("--shape", choices=kinds.ALL_SHAPES, default=None,
+                   help="default llama-3-8b (--kind pipeline: flux-dev-pipeline)")
+    p.add_argument("--budgets", type=_csv, default=None,
+                   help="GPU budgets: fractions of the weight bytes (0.25) or sizes (8GiB), comma separated "
+                        "(default 0.25,0.5,0.75; --kind pipeline 16GiB, load 0.25)")
+    p.add_argument("--phases", type=_csv, default=None,
+                   help=f"decode-bN, prefill-N, denoise-bN, generate-N (default {','.join(DEFAULT_PHASES)}; "
+                        "--kind pipeline generate-<its steps>, load decode-b1)")
+    p.add_argument("--methods", type=_csv, default=None,
+                   help="default: every method but the variants for one question (ws-stream-raw, "
+                        "ws-stream-compress); --kind pipeline: its own (bench/pipeline_run.py)")
+    p.add_argument("--modes", type=_csv, default=None,
+                   help=f"eager, compiled, graph, graph-eager (default {','.join(DEFAULT_MODES)})")
+    p.add_argument("--reps", type=int, default=None,
+                   help="timed calls per measurement (default 10; --kind pipeline 1, load 5, codec 20)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-seconds", type=float, default=None,
@@ -60,7 +73,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-timeline", action="store_true", help="skip the profiler timelines (CUDA only)")
     p.add_argument("--emulate-precision-casts", action="store_true",
                    help="Inductor rounds to bf16 where eager does (compiled exactness, benchmarks/README.md)")
-    p.add_argument("--out", default=None, help="result JSON (default benchmarks/results/suite_<shape>.json)")
+    p.add_argument("--out", default=None,
+                   help="result JSON (default benchmarks/results/<kind>_<shape>.json)")
     p.add_argument("--report", nargs="+", metavar="RESULTS",
                    help="run nothing: write the page and plots from stored result JSON files, or from every "
                         "result document under a folder")
@@ -71,6 +85,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="run nothing: check result JSON files against the schema (exit 1 if one is invalid)")
     p.add_argument("--md", default="docs/benchmarks.md", help="markdown page written by --report")
     p.add_argument("--png-dir", default="docs/figures", help="folder for the plots written by --report")
+    kinds.add_options(p)
     return p.parse_args(argv)
 
 
@@ -139,13 +154,17 @@ def main(argv: list[str] | None = None) -> int:
             report(args.report, args.md, args.png_dir, args.index)
             print(f"wrote {args.md}{' and ' + args.index if args.index else ''} and plots in {args.png_dir}")
             return 0
+        kinds.fill_defaults(args)
+        if kinds.runs_nothing(args) or args.kind != "suite":
+            return kinds.main(args, argv)
         device = check_run(args)
+        kinds.check_suite(args)
         out = args.out or f"benchmarks/results/suite_{args.shape}.json"
         doc = run_suite(args.shape, args.budgets, args.phases, args.methods, args.modes, args.reps, device,
                         out, seed=args.seed, timeline=not args.no_timeline,
                         emulate_precision_casts=args.emulate_precision_casts,
                         command="weightstream bench " + shlex.join(argv), max_seconds=args.max_seconds,
-                        method_seconds=args.method_seconds)
+                        method_seconds=args.method_seconds, profile_dir=args.profile)
     except (WeightstreamError, ValueError, OSError) as err:
         message = " ".join(str(err).split())  # one line, whatever the message held
         print(f"weightstream bench: {message}", file=sys.stderr)

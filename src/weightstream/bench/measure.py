@@ -24,10 +24,12 @@ SLOW_REPS = 3
 WARMUP_CALLS = 2
 
 
-def measure(fn: Callable[[], torch.Tensor], reps: int, device: torch.device) -> tuple[dict, torch.Tensor]:
+def measure(fn: Callable[[], torch.Tensor], reps: int, device: torch.device,
+            on_warm: Callable[[], None] | None = None) -> tuple[dict, torch.Tensor]:
     """WARMUP_CALLS untimed calls (the first may compile), then `reps` timed ones (SLOW_REPS at most
-    when a warm call takes over SLOW_CALL_S). Returns the timing fields (median_ms, min_ms, max_ms,
-    reps, first_call_s in seconds, peak_allocated_bytes) and the last output."""
+    when a warm call takes over SLOW_CALL_S); `on_warm()` is called between the two. Returns the timing
+    fields (median_ms, min_ms, max_ms, reps, first_call_s in seconds, peak_allocated_bytes) and the last
+    output."""
     walls = []
     for _ in range(WARMUP_CALLS):
         t0 = time.perf_counter()
@@ -35,6 +37,8 @@ def measure(fn: Callable[[], torch.Tensor], reps: int, device: torch.device) -> 
         sync(device)
         walls.append(time.perf_counter() - t0)
     reps = min(reps, SLOW_REPS) if walls[-1] > SLOW_CALL_S else reps
+    if on_warm is not None:
+        on_warm()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     times, out = time_calls(fn, reps, device)

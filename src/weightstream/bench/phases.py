@@ -1,7 +1,9 @@
 """Phases: what one timed forward is fed, by name. `decode-bN` = 1 new token for each of N sequences
 (no KV cache: the step's weight traffic, not attention over a context); `prefill-N` = N tokens of one
 sequence; `denoise-bN` = one denoising step of N images or videos (a diffusion shape says how many
-tokens one sample is).
+tokens one sample is); `generate-N` = a whole greedy generation of N new tokens with a KV cache (eager
+only: what `model.generate` does, exact against the resident model's tokens), or, for `--kind
+pipeline`, one image generated in N denoising steps.
 
 A new kind of phase (a diffusion model's `denoise-bN` step) is one `PhaseKind` entry in `PHASE_KINDS`;
 what a phase's input tensor holds is the model kind's business (`shapes.ModelKind.inputs`).
@@ -23,11 +25,18 @@ class Phase:
     name: str
     batch: int
     seq: int
+    plan_tokens: int | None = None  # tokens per forward to plan for, where not `tokens` (a generation)
 
     @property
     def tokens(self) -> int:
-        """Tokens per forward: what the planner plans for and what tokens/s counts."""
+        """Tokens per forward (a generation: its new tokens): what tokens/s counts."""
         return self.batch * self.seq
+
+    @property
+    def planned(self) -> int:
+        """Tokens per forward the methods are planned for: `tokens`, or a generation's one new token per
+        sequence and step."""
+        return self.tokens if self.plan_tokens is None else self.plan_tokens
 
     @property
     def kind(self) -> str:
@@ -52,12 +61,16 @@ PHASE_KINDS = (
     # tokens per sample come from the shape: its model kind's `resolve` fills them in (diffusion.py)
     PhaseKind("denoise-bN", r"denoise-b(\d+)", lambda name, n: Phase(name, n, 1),
               "one denoising step of N samples (diffusion shapes)"),
+    # a model kind with a `generate` (causal and encoder-decoder LMs) runs it; eager only (runner.py)
+    PhaseKind("generate-N", r"generate-(\d+)", lambda name, n: Phase(name, 1, n, plan_tokens=1),
+              "a greedy generation of N new tokens, KV cache, eager only (--kind pipeline: N denoising "
+              "steps)"),
 )
 
 
 def parse_phase(name: str) -> Phase:
-    """The phase of a name from `PHASE_KINDS`: `decode-bN` (1 token, batch N) or `prefill-N` (N tokens,
-    batch 1). Raises ValueError saying how to write one."""
+    """The phase of a name from `PHASE_KINDS`: `decode-bN` (1 token, batch N), `prefill-N` (N tokens,
+    batch 1), `denoise-bN`, `generate-N`. Raises ValueError saying how to write one."""
     for kind in PHASE_KINDS:
         match = re.fullmatch(kind.pattern, name)
         if match and int(match.group(1)) > 0:

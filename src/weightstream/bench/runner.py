@@ -28,6 +28,8 @@ import torch
 from torch import nn
 
 from .. import __version__
+from ..errors import OffloadStateError
+from ..offload import handle_of
 from ..placement.timing import capture_graph
 from ..sizes import format_size, parse_size
 from . import methods as registry
@@ -36,10 +38,20 @@ from .measure import compare_outputs, fill_row, h2d_bandwidth, measure
 from .memory import check_home, home_device, module_bytes, release_memory
 from .methods import Method, Undo
 from .phases import Phase, parse_phase
+from .profile import store_profile
 from .progress import first_line, log
 from .report import describe, fmt
 from .schema import MODES, ResultRow, write_json
-from .shapes import Shape, build_device, build_model, get_shape, resolve_phase, shape_weight_bytes
+from .shapes import (
+    Shape,
+    build_device,
+    build_model,
+    check_phase,
+    check_shape,
+    get_shape,
+    resolve_phase,
+    shape_weight_bytes,
+)
 from .timeline import store_timeline
 
 
@@ -62,16 +74,23 @@ class Suite:
     refs: dict[tuple[str, str], tuple[str, torch.Tensor]] = field(default_factory=dict)
     stop_at: float | None = None  # time.monotonic() after which no method is prepared any more
     method_seconds: float | None = None  # each method's limit per budget and phase
+    profile_dir: str | None = None  # --profile: where each measured row's profiler trace goes
 
-    def forward_fn(self) -> Callable[[torch.Tensor], torch.Tensor]:
+    def forward_fn(self, phase: Phase | None = None) -> Callable[[torch.Tensor], torch.Tensor]:
         """One forward of the model on an input, as its model kind runs it: a plain function closing
-        over the model and its kind (what torch.compile and graph capture are given)."""
+        over the model and its kind (what torch.compile and graph capture are given); for a `generate-N`
+        phase, the kind's whole generation of N tokens."""
         model, kind = self.model, self.shape.model
+        if phase is not None and phase.kind == "generate":
+            return lambda x: kind.generate(model, x, phase.seq)
         return lambda x: kind.forward(model, x)
 
 
-def mode_skip(suite: Suite, method: Method, mode: str) -> str | None:
+def mode_skip(suite: Suite, method: Method, mode: str, phase: Phase | None = None) -> str | None:
     """Why `method` does not run in `mode` here, or None (an unsupported `compiled` is tried anyway)."""
+    if phase is not None and phase.kind == "generate" and mode != "eager":
+        return ("a generation runs eager only (its KV cache grows every step: no one graph to compile or "
+                "capture)")
     graph = mode.startswith("graph")
     if graph and suite.device.type != "cuda":
         return "CUDA graphs need a CUDA device"
@@ -105,10 +124,11 @@ def compare(suite: Suite, method: Method, row: ResultRow, out: torch.Tensor) -> 
     row.exact, row.max_abs_diff = compare_outputs(out, ref)
 
 
-def make_call(suite: Suite, mode: str, x: torch.Tensor, compiled: Callable) -> Callable[[], torch.Tensor]:
-    """The zero-argument forward to time in `mode`."""
+def make_call(suite: Suite, mode: str, x: torch.Tensor, compiled: Callable,
+              phase: Phase | None = None) -> Callable[[], torch.Tensor]:
+    """The zero-argument forward to time in `mode` (eager: of `phase`, a generation where it is one)."""
     if mode == "eager":
-        forward = suite.forward_fn()
+        forward = suite.forward_fn(phase)
         return lambda: forward(x)
     if mode == "compiled":
         return lambda: compiled(x)
@@ -117,15 +137,33 @@ def make_call(suite: Suite, mode: str, x: torch.Tensor, compiled: Callable) -> C
     return capture_graph(compiled, x)
 
 
+def _counters(model: nn.Module) -> tuple[int, int, int] | None:
+    """The offload handle's (misses, prologues, copies) so far, or None when the model has none."""
+    try:
+        stats = handle_of(model).stats
+    except OffloadStateError:
+        return None
+    return stats.misses, stats.prologues, stats.copies
+
+
 def run_mode(suite: Suite, method: Method, phase: Phase, row: ResultRow, compiled: Callable) -> None:
-    """Time one mode into `row`, check it against the reference, add the link bound."""
-    call = make_call(suite, row.mode, suite.inputs[phase.name], compiled)
-    entry, out = measure(call, suite.reps, suite.device)
+    """Time one mode into `row`, check it against the reference, add the link bound; for an offloaded
+    model also the engine's misses, pass prologues and copies per timed call (`engine_per_call`)."""
+    call = make_call(suite, row.mode, suite.inputs[phase.name], compiled, phase)
+    warm: list = []
+    entry, out = measure(call, suite.reps, suite.device, on_warm=lambda: warm.append(_counters(suite.model)))
+    after = _counters(suite.model)
     fill_row(row, entry, suite.bandwidth)
     compare(suite, method, row, out)
-    if suite.timeline and row.mode in ("eager", "compiled") and (
+    if warm and warm[0] is not None and after is not None:
+        names = ("misses", "prologues", "copies")
+        row.setup = {**row.setup, "engine_per_call": {
+            k: (b - a) / entry["reps"] for k, a, b in zip(names, warm[0], after, strict=True)}}
+    if suite.timeline and row.mode in ("eager", "compiled") and phase.kind != "generate" and (
             method.name.startswith("ws-") or method.name == "resident"):
         store_timeline(suite.doc, row, suite.model, call)
+    if suite.profile_dir:
+        store_profile(suite.profile_dir, suite.doc, row, call, suite.device)
 
 
 def add_row(suite: Suite, row: ResultRow) -> None:
@@ -144,6 +182,22 @@ def method_limit(suite: Suite, until: float | None):
     return limit_or_none(until, _over_time(suite) if until is not None else "")
 
 
+def phase_setup(suite: Suite, phase: Phase, setup: dict) -> dict:
+    """The setup as the rows of `phase` record it: a generation's rows have no one forward's link bytes
+    (their bound is not one forward's bytes); a model kind with its own `link_bytes` (an
+    encoder-decoder's decoder step) gives an offloaded model's bytes per forward."""
+    if phase.kind == "generate":
+        return {**setup, "link_bytes": None}
+    own = getattr(suite.shape.model, "link_bytes", None)
+    if own is not None and "link_bytes" in setup:
+        try:
+            handle = handle_of(suite.model)
+        except OffloadStateError:
+            return setup
+        return {**setup, "link_bytes": own(handle), "all_groups_link_bytes": setup["link_bytes"]}
+    return setup
+
+
 def wire_fields(setup: dict) -> dict:
     """The row's wire_bytes, wire_raw_bytes and wire_ratio from a weightstream setup (none otherwise)."""
     return {k: setup[k] for k in ("wire_bytes", "wire_raw_bytes", "wire_ratio") if k in setup}
@@ -154,10 +208,11 @@ def run_modes(suite: Suite, method: Method, phase: Phase, budget: int | None, se
     """Every selected mode of one prepared method and phase; a failure is recorded, not raised. A mode
     not started by `until` (time.monotonic(); None: no limit) is skipped."""
     compiled = torch.compile(suite.forward_fn(), fullgraph=True, dynamic=False)
+    setup = phase_setup(suite, phase, setup)
     for mode in suite.modes:
         row = ResultRow(method.name, phase.name, budget, mode, tokens=phase.tokens,
                         link_bytes=setup.get("link_bytes"), setup=setup, **wire_fields(setup))
-        row.skipped = mode_skip(suite, method, mode)
+        row.skipped = mode_skip(suite, method, mode, phase)
         if row.skipped is None and until is not None and time.monotonic() > until:
             row.skipped = f"not run: {_over_time(suite)}"
         if row.skipped is None:
@@ -180,7 +235,7 @@ def run_prepared(suite: Suite, method: Method, phase: Phase, budget: int | None)
     until = None if suite.method_seconds is None else time.monotonic() + suite.method_seconds
     try:
         with method_limit(suite, until):
-            setup, undo = method.prepare(suite.model, budget, phase.tokens, suite.device)
+            setup, undo = method.prepare(suite.model, budget, phase.planned, suite.device)
     except Exception as exc:
         for mode in suite.modes:
             add_row(suite, ResultRow(method.name, phase.name, budget, mode, tokens=phase.tokens,
@@ -245,15 +300,25 @@ def resolve_budget(budget: int | float | str, weight_bytes: int) -> int:
     return parse_size(budget)
 
 
-def header(shape: str, device: torch.device, model: nn.Module, bandwidth: float | None, command: str) -> dict:
-    """The result document before any measurement."""
+def header(shape: str, device: torch.device, model: nn.Module, bandwidth: float | None, command: str,
+           kind: str = "suite") -> dict:
+    """The result document of a run on a model of `shape` before any measurement (`kind`: the run's
+    `--kind`)."""
+    return base_header(device, bandwidth, command, kind, get_shape(shape).record(), module_bytes(model),
+                       str(home_device(model)))
+
+
+def base_header(device: torch.device, bandwidth: float | None, command: str, kind: str, shape: dict,
+                weight_bytes: int, build_device: str) -> dict:
+    """The result document before any measurement: what ran where, with which versions; `shape` is
+    the document's `shape` entry (name and fields), `weight_bytes` the bytes measured on."""
     import torch._inductor.config
     import transformers
 
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else f"none (cpu {platform.machine()})"
     now = datetime.datetime.now(datetime.timezone.utc)
     return {
-        "command": command, "date": now.isoformat(timespec="seconds"),
+        "kind": kind, "command": command, "date": now.isoformat(timespec="seconds"),
         "gpu": gpu, "torch": torch.__version__, "transformers": transformers.__version__,
         "weightstream": __version__, "python": platform.python_version(),
         "versions": {m.requires: registry.version_of(m.requires) for m in registry.METHODS if m.requires},
@@ -261,8 +326,7 @@ def header(shape: str, device: torch.device, model: nn.Module, bandwidth: float 
         "h2d_bandwidth_GBps": bandwidth,
         # how each call was timed (timing.time_calls): in a loop, no synchronization between calls
         "timing": "back-to-back",
-        "shape": get_shape(shape).record(),
-        "weight_bytes": module_bytes(model), "build_device": str(home_device(model)),
+        "shape": shape, "weight_bytes": weight_bytes, "build_device": build_device,
         "skipped_methods": {}, "timelines": [], "results": [],
     }
 
@@ -283,6 +347,7 @@ def run_suite(
     command: str | None = None,
     max_seconds: float | None = None,
     method_seconds: float | None = None,
+    profile_dir: str | None = None,
 ) -> dict:
     """Run every method x budget x phase x mode on one model of `shape` and write the result document
     to `out_path` after each measurement; return the document.
@@ -300,7 +365,9 @@ def run_suite(
     one method and phase already started runs to its end). method_seconds: stop a method that has not
     finished one budget and phase (preparation and every mode) within this many seconds; its
     unfinished modes are recorded as errors or skipped, it is undone, and the run goes on with the
-    next (needs the main thread of a POSIX process: a SIGALRM timer).
+    next (needs the main thread of a POSIX process: a SIGALRM timer). profile_dir: after each
+    measurement, the host's time to enqueue a call and one profiled call (`profile.py`: its trace
+    written there, its figures in the row's `setup["profile"]`).
     """
     import torch._inductor.config
 
@@ -308,13 +375,13 @@ def run_suite(
     torch._inductor.config.emulate_precision_casts = emulate_precision_casts
     try:
         return _run(shape, budgets, phases, methods, modes, reps, _resolve(device), out_path, seed, timeline,
-                    command, max_seconds, method_seconds)
+                    command, max_seconds, method_seconds, profile_dir)
     finally:
         torch._inductor.config.emulate_precision_casts = previous
 
 
 def _run(shape, budgets, phases, methods, modes, reps, device, out_path, seed, timeline, command,
-         max_seconds, method_seconds) -> dict:
+         max_seconds, method_seconds, profile_dir) -> dict:
     """The body of `run_suite`, with the Inductor flag set."""
     _check_names(methods, [m.name for m in registry.METHODS], "method")
     _check_names(modes, list(MODES), "mode")
@@ -322,7 +389,7 @@ def _run(shape, budgets, phases, methods, modes, reps, device, out_path, seed, t
     stop_at = None if max_seconds is None else time.monotonic() + max_seconds
     suite = _start(shape, budgets, [parse_phase(p) for p in phases], modes, reps, device, out_path, seed,
                    timeline, command)
-    suite.stop_at, suite.method_seconds = stop_at, method_seconds
+    suite.stop_at, suite.method_seconds, suite.profile_dir = stop_at, method_seconds, profile_dir
     suite.doc["max_seconds"], suite.doc["method_seconds"] = max_seconds, method_seconds
     suite.doc["skipped_methods"] = {k: v for k, v in registry.unavailable().items() if k in methods}
     write_json(suite.doc, out_path)
@@ -337,7 +404,10 @@ def _run(shape, budgets, phases, methods, modes, reps, device, out_path, seed, t
 
 def _start(shape, budgets, phases, modes, reps, device, out_path, seed, timeline, command) -> Suite:
     """Measure the link, build the model where it fits, make the inputs and the document header."""
+    check_shape(get_shape(shape), device)
     phases = [resolve_phase(get_shape(shape), p) for p in phases]  # a diffusion step's tokens
+    for phase in phases:
+        check_phase(get_shape(shape), phase)
     weights = shape_weight_bytes(shape)
     budget_bytes = [resolve_budget(b, weights) for b in budgets]
     bandwidth = h2d_bandwidth(device) if device.type == "cuda" else None

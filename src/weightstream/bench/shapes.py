@@ -21,6 +21,8 @@ from .diffusion import SHAPE_FIELDS as DIFFUSION_SHAPES
 from .diffusion import Diffusion
 from .memory import module_bytes
 from .phases import Phase
+from .quantized_lm import QuantizedLM
+from .seq2seq_lm import T5_XXL, TINY_T5_ENCDEC, Seq2SeqLM
 
 HEADROOM_BYTES = 6 * 2**30  # GPU memory kept free for activations when deciding whether a shape fits
 
@@ -43,6 +45,11 @@ class ModelKind(Protocol):
 
     def forward(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """One forward; the output compared bit for bit against the reference."""
+
+    # optional members: `generate(model, x, new_tokens)` (the `generate-N` phase), `resolve(fields,
+    # phase)` (a diffusion step's tokens), `link_bytes(handle)` (bytes one forward moves under an offload
+    # handle, where not all its streamed groups: an encoder-decoder's decoder step), `cuda_only` and
+    # `requires` (a module to import), checked by `check_shape` before anything is built
 
 
 @dataclass(frozen=True)
@@ -76,13 +83,44 @@ SHAPES = {
     "tiny-moe": Shape("tiny-moe", TINY_MOE),
     "tiny-wide": Shape("tiny-wide", TINY_WIDE),
     **{name: Shape(name, fields, Diffusion(fields)) for name, fields in DIFFUSION_SHAPES.items()},
+    # quantized weights streamed as stored (quantized_lm.py; formerly benchmarks/bench_quant.py)
+    "llama-3-8b-fp8": Shape("llama-3-8b-fp8", PLANNING_SHAPES["llama-3-8b"], QuantizedLM("fp8")),
+    "llama-3-8b-int4": Shape("llama-3-8b-int4", PLANNING_SHAPES["llama-3-8b"], QuantizedLM("int4")),
+    "tiny-fp8": Shape("tiny-fp8", TINY, QuantizedLM("fp8")),
+    "tiny-int4": Shape("tiny-int4", TINY, QuantizedLM("int4")),
+    # encoder-decoder decoder steps (seq2seq_lm.py; formerly benchmarks/bench_encdec.py)
+    "t5-xxl": Shape("t5-xxl", T5_XXL, Seq2SeqLM(T5_XXL)),
+    "tiny-t5-encdec": Shape("tiny-t5-encdec", TINY_T5_ENCDEC, Seq2SeqLM(TINY_T5_ENCDEC)),
 }
+CPU_SHAPES = tuple(name for name in SHAPES if name.startswith("tiny"))  # what a CPU smoke run may build
 
 
 def resolve_phase(shape: Shape, phase: Phase) -> Phase:
     """The phase as this shape runs it: a model kind with a `resolve` (diffusion) fills in its tokens."""
     resolve = getattr(shape.model, "resolve", None)
     return resolve(shape.fields, phase) if resolve is not None else phase
+
+
+def check_shape(shape: Shape, device: torch.device) -> None:
+    """Raise ValueError when `shape` cannot run on `device` here: its model kind needs CUDA or a module
+    that does not import (the message says what to change)."""
+    if getattr(shape.model, "cuda_only", False) and device.type != "cuda":
+        raise ValueError(f"--shape {shape.name} needs a CUDA device ({shape.model.dtype_name}); on the CPU "
+                         "use --shape tiny-fp8 for quantized weights")
+    module = getattr(shape.model, "requires", None)
+    if module:
+        from .methods import import_error
+
+        if import_error(module):
+            raise ValueError(f"--shape {shape.name}: {import_error(module)}")
+
+
+def check_phase(shape: Shape, phase: Phase) -> None:
+    """Raise ValueError when `shape`'s model kind cannot run `phase` (a generation of a model kind
+    without `generate`)."""
+    if phase.kind == "generate" and not hasattr(shape.model, "generate"):
+        raise ValueError(f"phase {phase.name}: --shape {shape.name} ({shape.model.name}) has no generation; "
+                         "generate-N runs on causal and encoder-decoder LM shapes")
 
 
 def get_shape(name: str) -> Shape:

@@ -25,3 +25,4 @@ class Method:
     uses_budget: bool = True  # False: measured once per phase, budget_bytes None
     cuda_only: bool = False
     gives_reference: bool = False  # may provide reference outputs (resident, weightstream)
+    in_default: bool = True  # run when --methods is not given (variants for one question are not)

@@ -2,7 +2,10 @@
 `offload(model, gpu_memory=budget, strategy=..., tokens=phase tokens)`, and `ws-auto-compress`, the
 same as `ws-auto` with `compress=True` (groups cross the link losslessly compressed wherever a
 compressed placement fits the budget). Every setup records the streamed groups' `wire_bytes`,
-`wire_raw_bytes` and `wire_ratio`, and `link_bytes` counts the wire bytes (what really crosses).
+`wire_raw_bytes` and `wire_ratio`, and `link_bytes` counts the wire bytes (what really crosses); on a
+GPU, a setup with compressed groups also records `decoder_GBps`, the decoder's rate on one of them.
+`ws-stream-raw` and `ws-stream-compress` (every group through the slots, raw or compressed: the
+comparison of formerly `benchmarks/bench_codec.py`) run only when named in `--methods`.
 
 The setup records the placement and the planner's prediction next to the measurement, so a run over
 budgets is also the planner-against-measurement sweep (formerly `benchmarks/bench_plan.py`). A variant
@@ -43,6 +46,26 @@ def link_bytes(stats) -> int:
     return stats.streamed_bytes + stats.uva_bytes - (stats.wire_raw_bytes - stats.wire_bytes)
 
 
+def decoder_rate(handle: OffloadHandle, device: torch.device, calls: int = 20) -> float | None:
+    """GB/s of decoded bytes of the GPU decoder on one of the handle's compressed groups (standalone
+    launches, each from an idle GPU, median); None on a CPU or without a compressed group."""
+    import statistics
+
+    enc = next((e for e in handle.engine.wire if e is not None), None)
+    if enc is None or device.type != "cuda":
+        return None
+    from ...placement.timing import time_calls
+    from ...wire import triton_decoder
+
+    blob = enc.blob.to(device)
+    out = torch.empty(enc.raw_bytes, dtype=torch.uint8, device=device)
+    for _ in range(3):
+        triton_decoder.decode(blob, out, enc.chunks)
+    times, _ = time_calls(lambda: triton_decoder.decode(blob, out, enc.chunks), calls, device,
+                          back_to_back=False)
+    return enc.raw_bytes / (statistics.median(times) / 1e3) / 1e9
+
+
 def ws_prepare(strategy: str, **options) -> Prepare:
     """A prepare that offloads with `strategy` (and any further `offload` keyword `options`), planned
     for the phase's tokens; undo restores every tensor to where the model was."""
@@ -55,6 +78,9 @@ def ws_prepare(strategy: str, **options) -> Prepare:
                 "allocated_before_bytes": before, "allocated_after_bytes": allocated(device),
                 "link_bytes": link_bytes(stats), "wire_bytes": stats.wire_bytes,
                 "wire_raw_bytes": stats.wire_raw_bytes, "wire_ratio": stats.wire_ratio}
+        rate = decoder_rate(handle, device)
+        if rate is not None:
+            info["decoder_GBps"] = rate
 
         def undo() -> None:
             handle.restore(home)
@@ -79,4 +105,11 @@ METHODS = (
     Method("ws-auto-compress", ws_prepare("auto", compress=True), MODES,
            "weightstream, the planner's choice with groups losslessly compressed on the wire (compress=True)",
            gives_reference=True),
+    Method("ws-stream-raw", ws_prepare("stream", compress=False), MODES,
+           "weightstream, blocks streamed through staging slots, every group raw on the wire "
+           "(compress=False)",
+           gives_reference=True, in_default=False),
+    Method("ws-stream-compress", ws_prepare("stream", compress=True), MODES,
+           "weightstream, blocks streamed through staging slots, losslessly compressed where a compressed "
+           "placement fits (compress=True)", gives_reference=True, in_default=False),
 )
