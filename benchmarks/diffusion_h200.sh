@@ -5,15 +5,16 @@
 # Usage (repository root, diffusers' wheel in .whl/, $OUT set by the device tool):
 #   bash benchmarks/diffusion_h200.sh PART      PART: flux | wan | flux-compiled | wan-compiled | all
 #                                                     (flux then wan) | pipeline | decoder | gpu-tests
-#                                                     | flux-short | flux-timeline | ab-eager-ops
-#                                                     | launch-gaps
+#                                                     | flux-short | flux-timeline | pipeline-plan
 # (COMPILED_BUDGETS=12GiB,0.25 for flux-compiled at both budgets, with COMPILED_SECONDS=400)
-# Each part writes suite_<name>.json/.log under $OUT and prints the table against max(compute, transfer).
+# Each part writes suite_<name>.json/.log under $OUT and prints the table against max(compute, transfer)
+# (`weightstream bench --bound`). Every recorded result's own command line: benchmarks/runs_h200.sh.
 # `all` stays under about 7 minutes: no method is started after FLUX_SECONDS (140) / WAN_SECONDS (120)
 # of each run, and each method has 45 / 70 s (--method-seconds); what is cut is recorded as skipped.
-# `pipeline`: the whole FLUX.1-dev pipeline at 16 GiB, weightstream compress="auto" and raw
-# (bench_pipeline.py --raw-too), no peers (their figures are in results/pipeline_flux-dev.json), about
-# 4 minutes. `decoder`: bench_decoder.py (warps sweep, about 30 s). `gpu-tests`: the GPU tests of the
+# `pipeline`: the whole FLUX.1-dev pipeline at 16 GiB (`weightstream bench --kind pipeline`), weightstream
+# compress="auto" and raw, no peers (their figures: results/2026-12-03_h200_flux-pipeline), about
+# 4 minutes. `decoder`: the codec alone (`--kind codec`, warps sweep, about 30 s). `pipeline-plan`: the
+# planner's predicted split of the pipeline (`--predict`, no GPU needed). `gpu-tests`: the GPU tests of the
 # compressed path and the pipelines (about 4 minutes). `flux-short`: the flux part with only the resident
 # step, weightstream auto and diffusers' best peer (leaf level), for a call with little device time left
 # (about 4 minutes; the slower peers' figures are in results/suite_flux-dev-transformer.json).
@@ -31,7 +32,7 @@ bench() {  # bench NAME MAX_SECONDS ARGS...
     shift 2
     python3 -m weightstream bench --max-seconds "$max" --out "$OUT/suite_$name.json" --no-timeline \
         --phases denoise-b1 "$@" 2>&1 | tee "$OUT/suite_$name.log" | grep "^\[" || true
-    python3 benchmarks/diffusion_bound.py "$OUT/suite_$name.json" | tee "$OUT/bound_$name.md"
+    python3 -m weightstream bench --bound "$OUT/suite_$name.json" | tee "$OUT/bound_$name.md"
 }
 flux() {
     bench flux-dev-transformer ${FLUX_SECONDS:-140} --shape flux-dev-transformer --budgets 12GiB,0.25 \
@@ -56,10 +57,15 @@ wan-compiled)  # the same for Wan 2.1 14B at 25%: about 5 minutes on an H100 (se
     bench wan2.1-14b_compiled ${COMPILED_SECONDS:-400} --shape wan2.1-14b --budgets 0.25 --modes compiled \
         --methods resident,ws-auto --reps 3 --method-seconds 250 --emulate-precision-casts ;;
 pipeline)
-    python3 benchmarks/bench_pipeline.py --out "$OUT" --raw-too --peers none --gpu-memory 16GiB \
-        --max-seconds "${PIPELINE_SECONDS:-400}" 2>&1 | tail -20 ;;
+    python3 -m weightstream bench --kind pipeline --shape flux-dev-pipeline --budgets 16GiB \
+        --methods resident,ws-auto,ws-auto-raw --max-seconds "${PIPELINE_SECONDS:-400}" \
+        --out "$OUT/pipeline_flux-dev.json" 2>&1 | tee "$OUT/pipeline_flux-dev.log" | tail -20 ;;
+pipeline-plan)
+    python3 -m weightstream bench --kind pipeline --shape flux-dev-pipeline --predict --budgets 12GiB,16GiB \
+        --out "$OUT/plan_flux-dev_pipeline_reference.md" ;;
 decoder)
-    python3 benchmarks/bench_decoder.py 2>&1 | tee "$OUT/decoder_h200.log" ;;
+    python3 -m weightstream bench --kind codec --warps 2,4,8,16 --out "$OUT/codec_group.json" 2>&1 \
+        | tee "$OUT/codec_group.log" ;;
 flux-timeline)  # the 12 GiB step and the resident step profiled in one run (the bench keeps both
     # timelines since session 31): are the gaps between kernels the offloaded step's own? Each also
     # replayed from a CUDA graph of the eager step (graph-eager): a graph's launches do not go through
@@ -69,15 +75,8 @@ flux-timeline)  # the 12 GiB step and the resident step profiled in one run (the
         --phases denoise-b1 --shape flux-dev-transformer --budgets 12GiB --modes eager,graph-eager \
         --methods resident,ws-auto \
         --reps 5 --method-seconds 80 2>&1 | tee "$OUT/suite_flux-dev-transformer_timeline.log" | grep "^\[" || true
-    python3 benchmarks/timeline_waits.py "$OUT/suite_flux-dev-transformer_timeline.json" \
+    python3 -m weightstream bench --waits "$OUT/suite_flux-dev-transformer_timeline.json" \
         | tee "$OUT/timeline_waits_flux.log" ;;
-launch-gaps)  # what a host->GPU copy in flight costs a chain of Flux-sized kernels, and whether in the
-    # kernels or in the gaps between them (benchmarks/diag_launch_gaps.py --profile): about 1 minute
-    python3 benchmarks/diag_launch_gaps.py --profile --out "$OUT" 2>&1 | tail -12 ;;
-ab-eager-ops)  # session 32's eager schedule calls against the custom ops with their copies, one process,
-    # alternating rounds (benchmarks/ab_eager_ops.py): Flux at 12 GiB, about 1 minute
-    python3 benchmarks/ab_eager_ops.py --shape flux-dev-transformer --phase denoise-b1 --budget 12GiB \
-        --out "$OUT" 2>&1 | tail -12 ;;
 gpu-tests)
     PYTHONPATH=src:tests:/tmp/site python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_codec.py \
         tests/test_wire.py tests/test_gpu_call_orders.py tests/test_gpu.py tests/test_gpu_hf.py \

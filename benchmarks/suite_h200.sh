@@ -4,8 +4,9 @@
 #   bash benchmarks/suite_h200.sh PART
 # Parts: verify | verify-short | plan | llama-ws | llama-uva | llama-peers | qwen-ws | qwen-peers | mixtral-ws
 #        | mixtral-peers | qwen-b64 | mixtral-b64 | qwen-diffusers | mixtral-diffusers | qwen-uva
-#        | mixtral-uva | llama-uva-b64 | llama-50 | mixtral-routed | llama-loop | diag-host
-#        | diag-host-cache | diag-profiler
+#        | mixtral-uva | llama-uva-b64 | llama-50 | mixtral-routed | llama-loop | profile | quant | codec
+#        | encdec | load
+# (every recorded result's own command line: benchmarks/runs_h200.sh)
 # MAX_SECONDS overrides a part's time budget (to share a call with another part).
 # Each writes its JSON and log under $OUT; copy them to benchmarks/results/ and run
 # `weightstream bench --report ...` (benchmarks/README.md) to regenerate docs/benchmarks.md.
@@ -35,8 +36,10 @@ plan)  # the planner against measurement (docs/planner.md): no compile, decode r
     bench llama-3-8b_plan ${MAX_SECONDS:-480} --shape llama-3-8b --budgets 1.0,0.25,0.5,0.75 \
         --phases decode-b1,prefill-2048 --modes eager,graph-eager --methods resident,ws-stream,ws-uva,ws-auto \
         --reps 5 --no-timeline --method-seconds 120
-    python3 benchmarks/plot_plan.py "$OUT/suite_llama-3-8b_plan.json" "$OUT/plan_llama-3-8b.png" \
-        > "$OUT/plan_llama-3-8b.md" || echo "plot_plan.py failed (matplotlib missing?): the JSON is written" ;;
+    # predicted against measured (table) and tokens/s against the budget (plot), from the stored JSON
+    python3 -m weightstream bench --bound "$OUT/suite_llama-3-8b_plan.json" > "$OUT/plan_llama-3-8b.md"
+    python3 -m weightstream bench --report "$OUT/suite_llama-3-8b_plan.json" --md "$OUT/plan_page.md" \
+        --png-dir "$OUT/plan_png" || echo "the plot failed (matplotlib missing?): the JSON is written" ;;
 llama-loop)  # session 29's prefetch across forwards: 8B decode streamed, zero copy and auto, at 25% and at
     # 97% (zero copy reads two blocks; auto now streams three through one slot: 24.3 ms predicted against
     # zero copy's 24.6, the planner's claim to check), timelines kept
@@ -93,23 +96,35 @@ llama-50)  # the planner's one open question: 50% decode measured 7% over its pr
 mixtral-routed)  # auto after the cost model learned routed experts: zero copy at decode, streaming at prefill
     bench mixtral-8x7b_auto_routed ${MAX_SECONDS:-240} --shape mixtral-8x7b --budgets 0.25 \
         --phases decode-b1,decode-b64,prefill-2048 --modes eager --methods resident,ws-auto --reps 5 --no-timeline ;;
-diag-host)  # session 31's open question: why eager decode at 97% is 2.2-2.6x slower than resident eager
-    # (host enqueue ms against back-to-back ms per forward, blocking runtime calls, top CPU ops; then the launch probe): ~1 minute
-    python3 benchmarks/diag_eager_host.py --shape llama-3-8b --budget 0.97 --out "$OUT" 2>&1 | tail -60 ;;
-diag-host-cache)  # session 33's lead: the bench's cache-less forward synchronizes the host once per forward
-    # (transformers' packed-sequence check); the same diagnosis with a fresh KV cache per forward (no such
-    # synchronization), and each engine call's host time with it: about 1.5 minutes
-    python3 benchmarks/diag_eager_host.py --shape llama-3-8b --budget 0.97 --cache --out "$OUT/cache" 2>&1 | tail -60
-    python3 benchmarks/diag_host_sync.py --cache --out "$OUT/cache" 2>&1 | tail -12
-    python3 benchmarks/diag_host_sync.py --out "$OUT" 2>&1 | tail -12 ;;
-diag-profiler)  # session 34's lead: does a profiler session (the bench's timelines, diag_eager_host's
-    # profile) slow every later eager forward's host side (kineto keeps CUPTI attached unless
-    # TEARDOWN_CUPTI=1)? With and without it, then the 97% decode bench with timelines and graph
-    # replays: about 2 minutes (results/h100_session34: not the cause of the slowdown)
-    python3 benchmarks/diag_profiler_residue.py --out "$OUT" 2>&1 | tail -6
-    TEARDOWN_CUPTI=1 python3 benchmarks/diag_profiler_residue.py --out "$OUT/teardown" 2>&1 | tail -6
-    bench llama-3-8b_residue ${MAX_SECONDS:-150} --shape llama-3-8b --budgets 0.97 --phases decode-b1 \
-        --modes eager,graph-eager --methods resident,ws-auto,ws-stream --reps 10 --method-seconds 60 ;;
+profile)  # an eager decode that no link bounds (97%), resident and auto, with --profile: each row's host
+    # time to issue a forward from an idle GPU, its synchronizing CUDA calls, blocking runtime calls, top
+    # ops and a Chrome trace (the former diag_eager_host.py / diag_host_sync.py; docs/diagnostics.md):
+    # a profiled row slows the rows after it, so the figures of this part are not recorded as timings
+    bench llama-3-8b_profile ${MAX_SECONDS:-200} --shape llama-3-8b --budgets 0.97 --phases decode-b1 \
+        --modes eager --methods resident,ws-auto --reps 10 --no-timeline --method-seconds 90 \
+        --profile "$OUT/profile" ;;
+quant)  # quantized weights streamed as stored (docs/quantized.md): bf16, fp8, int4 at batch-1 decode, 25% of
+    # the stored bytes raised to what stays resident plus two layer slots (the former bench_quant.py)
+    bench llama-3-8b_quant_bf16 ${MAX_SECONDS:-150} --shape llama-3-8b --budgets 0.25 --phases decode-b1 \
+        --modes eager --methods resident,ws-stream --reps 10 --no-timeline
+    bench llama-3-8b_quant_fp8 ${MAX_SECONDS:-120} --shape llama-3-8b-fp8 --budgets 2538750464 --phases decode-b1 \
+        --modes eager --methods resident,ws-stream --reps 10 --no-timeline
+    bench llama-3-8b_quant_int4 ${MAX_SECONDS:-120} --shape llama-3-8b-int4 --budgets 2334171648 --phases decode-b1 \
+        --modes eager --methods resident,ws-stream --reps 10 --no-timeline ;;
+codec)  # every layer streamed raw against compressed at 25% (docs/compression.md; the former bench_codec.py),
+    # then the decoder alone at each warp count (the former bench_decoder.py)
+    bench llama-3-8b_codec ${MAX_SECONDS:-360} --shape llama-3-8b --budgets 0.25 \
+        --phases decode-b1,decode-b64,prefill-2048 --modes eager,graph-eager \
+        --methods resident,ws-stream-raw,ws-stream-compress --reps 5 --no-timeline --method-seconds 150
+    python3 -m weightstream bench --kind codec --warps 2,4,8,16 --out "$OUT/codec_group.json" 2>&1 \
+        | tee "$OUT/codec_group.log" | grep "^\[" || true ;;
+encdec)  # T5-XXL's decoder steps at 25%, eager and replayed, and 8 greedy tokens (the former bench_encdec.py)
+    bench t5-xxl ${MAX_SECONDS:-240} --shape t5-xxl --budgets 0.25 --phases decode-b1,generate-8 \
+        --modes eager,graph-eager --methods resident,ws-auto --reps 10 --no-timeline ;;
+load)  # the 8B checkpoint written, loaded into place at 4 GiB, decoded from host memory and from disk (root
+    # drops the page cache; the former bench_load.py): about 3 minutes
+    python3 -m weightstream bench --kind load --shape llama-3-8b --budgets 4GiB --reps 5 \
+        --out "$OUT/load_llama-3-8b.json" 2>&1 | tee "$OUT/load_llama-3-8b.log" | grep "^\[" || true ;;
 *)
     echo "unknown part $1" >&2
     exit 2 ;;
