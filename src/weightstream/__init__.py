@@ -5,8 +5,10 @@
     print(handle.stats)
     handle.restore()
     handle = ws.offload(pipe, gpu_memory="12GiB")  # a diffusers pipeline: one budget for all its models
+    config = ws.OffloadConfig("6GiB", compress=False)  # the arguments, validated once; offload(model, config)
 """
 
+from .config import OffloadConfig
 from .errors import (
     ArgumentError,
     BudgetError,
@@ -32,6 +34,7 @@ __all__ = [
     "CheckpointError",
     "InferenceOnlyError",
     "MachineProfile",
+    "OffloadConfig",
     "OffloadHandle",
     "OffloadStateError",
     "OffloadStats",

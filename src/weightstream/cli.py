@@ -72,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from .config import OffloadConfig  # every offload argument is checked there, before anything loads
+
     if args.command == "demo":
         from .demo import run_demo
 
@@ -88,11 +90,11 @@ def _run(args: argparse.Namespace) -> int:
         pipeline = os.path.isfile(os.path.join(args.model, "model_index.json"))  # a diffusers pipeline folder
         _check_plan_options(args, pipeline)
         compress = {"auto": "auto", "true": True, "false": False}[args.compress]
-        report = (plan_pipeline(args.model, args.gpu_memory, args.steps or DEFAULT_STEPS, args.strategy,
-                                compress=compress, dtype=args.dtype)
+        config = OffloadConfig(args.gpu_memory, strategy=args.strategy, compress=compress)
+        report = (plan_pipeline(args.model, config, args.steps or DEFAULT_STEPS, dtype=args.dtype)
                   if pipeline
-                  else plan_report(args.model, args.gpu_memory, args.tokens, args.strategy, dtype=args.dtype,
-                                   cpu_memory=args.cpu_memory, compress=compress))
+                  else plan_report(args.model, config, args.tokens, dtype=args.dtype,
+                                   cpu_memory=args.cpu_memory))
         text = format_pipeline_plan(report) if pipeline else format_report(report)
         print(json.dumps(report, indent=1) if args.json else text)
         return 0
@@ -100,8 +102,8 @@ def _run(args: argparse.Namespace) -> int:
         from .generate import generate_text
 
         summary = generate_text(
-            args.path, args.prompt, args.gpu_memory, max_new_tokens=args.max_new_tokens,
-            compile=args.compile, chat=args.chat, device=args.device, dtype=args.dtype,
+            args.path, args.prompt, OffloadConfig(args.gpu_memory, device=args.device),
+            max_new_tokens=args.max_new_tokens, compile=args.compile, chat=args.chat, dtype=args.dtype,
         )
         print(summary)
         return 0

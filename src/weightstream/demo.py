@@ -8,9 +8,10 @@ import time
 
 import torch
 
+from .config import resolve_device
 from .errors import ArgumentError, BudgetError
 from .offload import offload
-from .placement.prepare import _resolve_device, prepare
+from .placement.prepare import prepare
 from .sizes import format_size
 
 # Built-in shapes: random weights, no download. "gpu" is ~2.2 GB in bf16, "cpu" ~14 MB in fp32.
@@ -67,7 +68,7 @@ def run_demo(device: str | None = None, fraction: float = 0.4, new_tokens: int =
     Raises ArgumentError for a device that is not here, a fraction outside (0, 1] or fewer than one new
     token, and BudgetError for a fraction too small to hold what must stay on the GPU.
     """
-    dev = _resolve_device(device)
+    dev = resolve_device(device)
     if not 0 < fraction <= 1:
         raise ArgumentError(f"--fraction {fraction}: give the GPU budget as a fraction in (0, 1]")
     if new_tokens < 1:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .config import OffloadConfig
 from .dtypes import parse_dtype
 from .errors import ArgumentError, CheckpointError
 from .formats.hf import checkpoint_folder, from_pretrained, model_class, read_config
@@ -80,7 +81,7 @@ def _check_generates(cls: type, folder: os.PathLike) -> None:
 def generate_text(
     path: str | os.PathLike,
     prompt: str,
-    gpu_memory: int | str,
+    gpu_memory: int | str | OffloadConfig,
     *,
     max_new_tokens: int = 64,
     compile: bool = False,

@@ -10,15 +10,14 @@ forward runs the two schedule ops around it. The model stays an ordinary `nn.Mod
 from __future__ import annotations
 
 import contextlib
-import os
 import types
 import warnings
-from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from .config import OffloadConfig, resolve_device
 from .engine import guards
 from .engine.engine import StreamEngine
 from .engine.host import HostArena
@@ -28,8 +27,7 @@ from .errors import OffloadStateError
 from .formats.disk import DiskTier
 from .placement.entries import _set_tensor
 from .placement.plan import Placement, placement_of
-from .placement.prepare import Prepared, _plain, _resolve_device, final_places, prepare
-from .placement.probe import MachineProfile
+from .placement.prepare import Prepared, _plain, final_places, prepare
 from .sizes import format_size
 from .wire.groups import encode_groups, fill_arena
 
@@ -110,7 +108,8 @@ class OffloadHandle:
 
     Attributes: `model`, `device`, `placement` (the `Placement`), `streamed_blocks` and `uva_blocks`
     (the names of the blocks streamed through the slots, group by group, and read in place),
-    `engine` (the `StreamEngine` the schedule ops call during a forward).
+    `engine` (the `StreamEngine` the schedule ops call during a forward), `config` (the
+    `OffloadConfig` it was offloaded with; None for `from_pretrained`).
     """
 
     def __init__(self, prep: Prepared, engine: StreamEngine) -> None:
@@ -122,7 +121,7 @@ class OffloadHandle:
         self.engine = engine
         self._streamed_modules: list[nn.Module] = []
         self._patched: list[nn.Module] = []
-        self._offload_args: dict | None = None  # what offload() was called with (for edit())
+        self.config: OffloadConfig | None = None  # set by offload_module (edit() offloads with it again)
         self._cost = prep.cost
         self.restored = False
 
@@ -180,29 +179,30 @@ class OffloadHandle:
         """
         if self.restored:
             raise OffloadStateError("this handle was restored: offload the model again to edit it offloaded")
-        if self._offload_args is None:
+        if self.config is None:
             raise OffloadStateError(
                 "edit() needs a model offloaded by weightstream.offload(); for one loaded with "
                 "from_pretrained: handle.restore('cpu'), edit, then weightstream.offload(model, ...)")
-        args = dict(self._offload_args)
-        args["keep_resident"] = tuple(dict.fromkeys((*args["keep_resident"], *self.engine.state_names)))
+        asked = self.config.replace(
+            keep_resident=tuple(dict.fromkeys((*self.config.keep_resident, *self.engine.state_names))))
+        config = asked
         self.restore("cpu")
         yield self.model
         empty = Placement((), 0, 0, 0, 0)
-        cost = prepare(self.model, 0, args["device"], args["blocks"], placement=empty,
-                       predict_wire=False, keep_resident=args["keep_resident"]).cost
+        cost = prepare(self.model, config.replace(gpu_memory=0, placement=empty), predict_wire=False).cost
         old = self._cost
         p = self.placement
         if (cost.block_bytes, cost.tensor_bytes, cost.slot_bytes) == (old.block_bytes, old.tensor_bytes,
                                                                        old.slot_bytes):
-            args["placement"] = p
+            config = config.replace(placement=p)
         else:  # blocks changed size: the same blocks streamed and read in place, slots resized (None:
             # that no longer fits the budget, and the planner places the model anew)
-            args["placement"] = placement_of(cost, p.streamed, p.n_slots, p.uva, p.part,
-                                             budget=self.engine.budget,
-                                             strategy=p.requested_strategy, compressed=p.compressed,
-                                             landing_buffers=p.landing_buffers or None)
-        new = offload_module(self.model, **args)
+            config = config.replace(placement=placement_of(
+                cost, p.streamed, p.n_slots, p.uva, p.part, budget=self.engine.budget,
+                strategy=p.requested_strategy, compressed=p.compressed,
+                landing_buffers=p.landing_buffers or None))
+        new = offload_module(self.model, config)
+        new.config = asked  # what was asked; the placement kept (or resized) is an edit's, not the user's
         self.__dict__.clear()
         self.__dict__.update(new.__dict__)  # the new offload's engine, placement and guards
         object.__setattr__(self.model, _HANDLE_ATTR, self)
@@ -213,7 +213,7 @@ class OffloadHandle:
         Returns the model."""
         if self.restored:
             raise OffloadStateError("this handle was already restored")
-        target = self.device if device is None else _resolve_device(device)
+        target = self.device if device is None else resolve_device(device)
         for name in self.settle():
             warnings.warn(f"weightstream: {name} was written in place outside its block's forward while "
                           "offloaded; that write went to a staging buffer and is not in the restored model "
@@ -263,12 +263,11 @@ def finish(
     places: dict[int, torch.Tensor],
     disk: DiskTier | None = None,
     pin: bool = True,
-    check: bool | None = None,
+    check: bool = False,
 ) -> OffloadHandle:
     """Point every tensor at its final place (streamed ones at their GPU slot views), install the
     schedule and return the handle. `places` must hold every resident and host-streamed entry's bytes
-    by now; groups in `disk` are read from their files each forward. `check`: see `offload` (None: the
-    environment variable WEIGHTSTREAM_CHECK)."""
+    by now; groups in `disk` are read from their files each forward. `check`: see `offload`."""
     placement = prep.placement
     off_device = {id(e) for group in prep.host_groups for e, _ in group}
     for entry in prep.entries:
@@ -292,8 +291,6 @@ def finish(
                 view = view.data  # its own version counter, not the slot's (watch.py), as a parameter has
             _set_tensor(entry, view)
 
-    if check is None:
-        check = os.environ.get("WEIGHTSTREAM_CHECK", "") not in ("", "0")
     engine = StreamEngine(prep, arena, slots, disk, pin, check)
     handle = OffloadHandle(prep, engine)
     engine.guards = guards.ModelGuards(engine, prep.model)  # gradients off, eval mode, true state dicts
@@ -308,26 +305,10 @@ def finish(
     return handle
 
 
-def offload_module(
-    model: nn.Module,
-    gpu_memory: int | str,
-    *,
-    device: str | torch.device | None = None,
-    pin_memory: bool = True,
-    blocks: list[str] | None = None,
-    strategy: str = "auto",
-    tokens: int = 1,
-    profile: MachineProfile | None = None,
-    placement: Placement | None = None,
-    compress: bool | str = "auto",
-    check: bool | None = None,
-    keep_resident: Collection[str] = (),
-) -> OffloadHandle:
-    """Offload one nn.Module in place (`weightstream.offload` for a module: its arguments)."""
-    prep = prepare(model, gpu_memory, device, blocks, strategy=strategy, tokens=tokens,
-                   pin_memory=pin_memory, profile=profile, placement=placement,
-                   compress=compress, keep_resident=keep_resident)
-    pin = pin_memory and prep.device.type == "cuda"
+def offload_module(model: nn.Module, config: OffloadConfig) -> OffloadHandle:
+    """Offload one nn.Module in place as `config` says (`weightstream.offload` documents each field)."""
+    prep = prepare(model, config)
+    pin = config.pin_memory and prep.device.type == "cuda"
     sizes, coded = prep.host_group_bytes, frozenset()
     if prep.placement.compressed:
         plain = [all(_plain(e) for e, _ in group) for group in prep.groups]  # subclasses stream raw
@@ -353,8 +334,6 @@ def offload_module(
         entry.copy_to(target)
         if id(entry) in streamed:
             _set_tensor(entry, torch.empty(0, dtype=entry.dtype))
-    handle = finish(prep, arena, places, pin=pin, check=check)
-    handle._offload_args = dict(gpu_memory=gpu_memory, device=device, pin_memory=pin_memory, blocks=blocks,
-                                strategy=strategy, tokens=tokens, profile=profile, placement=placement,
-                                compress=compress, check=check, keep_resident=tuple(keep_resident))
+    handle = finish(prep, arena, places, pin=pin, check=config.check)
+    handle.config = config
     return handle

@@ -8,6 +8,7 @@ from collections.abc import Collection
 import torch
 from torch import nn
 
+from .config import OffloadConfig, config_of
 from .errors import ArgumentError
 from .handle import OffloadHandle, OffloadStats, handle_of, offload_module
 from .pipeline import PipelineHandle, is_pipeline, offload_pipeline
@@ -19,7 +20,7 @@ __all__ = ["OffloadHandle", "OffloadStats", "handle_of", "offload"]
 
 def offload(
     model: nn.Module,
-    gpu_memory: int | str,
+    gpu_memory: int | str | OffloadConfig,
     *,
     device: str | torch.device | None = None,
     pin_memory: bool = True,
@@ -40,7 +41,9 @@ def offload(
     `state_dict()` and `parameters()` give the true weights; `deepcopy` and pickling refuse.
 
     gpu_memory: bytes (int) or a string like "6GiB" / "500MB": resident weights plus staging slots.
-        Activations and KV caches are not counted.
+        Activations and KV caches are not counted. Or an `OffloadConfig` holding every argument below
+        (then give none of them): `ws.offload(model, ws.OffloadConfig("6GiB", compress=False))`.
+        Every argument is validated once, by `OffloadConfig`.
     device: "cuda" (default when available) or "cpu" (the synchronous backend: same schedule, no
         streams; used for testing and CPU-only machines).
     pin_memory: page-lock the host arena (fast async copies, CUDA graphs). False streams from
@@ -84,16 +87,17 @@ def offload(
     placement name one model's and are refused (`offload_pipeline(tokens=..., calls=...)` takes them
     per component).
     """
+    config = config_of(gpu_memory, device=device, pin_memory=pin_memory, blocks=blocks, strategy=strategy,
+                       tokens=tokens, profile=profile, placement=placement, compress=compress, check=check,
+                       keep_resident=keep_resident)
     if is_pipeline(model):  # a diffusers pipeline: one budget over its components (pipeline.py)
-        given = [name for name, value, default in (("blocks", blocks, None), ("tokens", tokens, 1),
-                                                  ("placement", placement, None)) if value != default]
+        per_model = (("blocks", config.blocks, None), ("tokens", config.tokens, 1),
+                     ("placement", config.placement, None), ("keep_resident", config.keep_resident, ()))
+        given = [name for name, value, default in per_model if value != default]
         if given:
             raise ArgumentError(
                 f"{', '.join(given)}: offload(pipeline) plans every component itself; call "
                 "weightstream.pipeline.offload_pipeline(pipe, ..., tokens={name: n}, calls={name: n}) for "
                 "per-component tokens, or offload one component (pipe.transformer) with these arguments")
-        return offload_pipeline(model, gpu_memory, device=device, pin_memory=pin_memory, strategy=strategy,
-                                compress=compress, profile=profile, check=check)
-    return offload_module(model, gpu_memory, device=device, pin_memory=pin_memory, blocks=blocks,
-                          strategy=strategy, tokens=tokens, profile=profile, placement=placement,
-                          compress=compress, check=check, keep_resident=keep_resident)
+        return offload_pipeline(model, config)
+    return offload_module(model, config)

@@ -23,14 +23,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .config import OffloadConfig, config_of
 from .dtypes import default_dtype
 from .errors import ArgumentError, BudgetError, OffloadStateError
 from .handle import OffloadHandle, OffloadStats, offload_module
 from .placement.cost import ModelCost
-from .placement.plan import STRATEGIES, Placement, _candidates, landing_options, placement_of, wire_of
+from .placement.plan import Placement, _candidates, landing_options, placement_of, wire_of
 from .placement.prepare import prepare
 from .placement.probe import MachineProfile, load_profile
-from .sizes import format_size, parse_size
+from .sizes import format_size
 
 DENOISERS = ("transformer", "transformer_2", "unet", "prior", "decoder")  # called once per step
 DEFAULT_STEPS = 28
@@ -268,7 +269,7 @@ def component_costs(modules: dict[str, nn.Module], device, allow_meta: bool = Fa
 
 def offload_pipeline(
     pipe,
-    gpu_memory: int | str,
+    gpu_memory: int | str | OffloadConfig,
     *,
     device: str | torch.device | None = None,
     pin_memory: bool = True,
@@ -296,15 +297,16 @@ def offload_pipeline(
     profile: the machine profile every component is planned with (default: this GPU's, as for
         `offload`); pass one and the split depends on the arguments alone.
     check: as for `offload`, for every component.
+    `gpu_memory` may be an `OffloadConfig` holding device, pin_memory, strategy, compress, profile and
+    check (its blocks, tokens, placement and keep_resident name one model's and must stay unset).
     """
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy={strategy!r}: choose one of {', '.join(STRATEGIES)}")
-    if compress not in (True, False, "auto"):
-        raise ArgumentError(f"compress={compress!r}: choose True, False or 'auto'")
+    config = config_of(gpu_memory, device=device, pin_memory=pin_memory, strategy=strategy,
+                       compress=compress, profile=profile, check=check)
+    device, strategy, compress, profile = config.device, config.strategy, config.compress, config.profile
     if getattr(pipe, _PIPE_ATTR, None) is not None:
         raise OffloadStateError("this pipeline is already offloaded: call handle.restore() before offloading "
                                 "again")
-    budget = parse_size(gpu_memory)
+    budget = config.gpu_memory
     modules = modules_of(pipe)
     if not modules:
         raise OffloadStateError(f"{type(pipe).__name__} has no nn.Module components to offload")
@@ -316,15 +318,14 @@ def offload_pipeline(
     calls, tokens = _resolve_calls(modules, steps, calls, tokens)
     costs = component_costs(modules, device, compress=compress)
     if profile is None:
-        profile = load_profile(torch.device(device) if device is not None else
-                               torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+        profile = load_profile(device)
     plans = split_budget(costs, budget, calls, tokens, profile, strategy, compress)
     handles: dict[str, OffloadHandle] = {}
     try:
         for name, m in modules.items():
             p = plans[name].placement
-            handles[name] = offload_module(m, p.gpu_bytes, device=device, pin_memory=pin_memory,
-                                           placement=p, compress=p.compressed, check=check)
+            handles[name] = offload_module(m, config.replace(gpu_memory=p.gpu_bytes, placement=p,
+                                                             compress=p.compressed))
     except BaseException:
         for h in handles.values():
             h.restore()
@@ -419,7 +420,7 @@ def meta_components(folder: str, dtype: torch.dtype | str | None = None) -> dict
     return modules
 
 
-def plan_pipeline(folder: str, gpu_memory: int | str, steps: int = DEFAULT_STEPS,
+def plan_pipeline(folder: str, gpu_memory: int | str | OffloadConfig, steps: int = DEFAULT_STEPS,
                   strategy: str = "auto", profile: MachineProfile | None = None,
                   compress: bool | str = "auto", dtype: torch.dtype | str | None = None) -> dict:
     """`weightstream plan` for a pipeline folder: each component's placement under one `gpu_memory`
@@ -428,16 +429,11 @@ def plan_pipeline(folder: str, gpu_memory: int | str, steps: int = DEFAULT_STEPS
     in `dtype`, by default each in the dtype its weights are stored in (`stored_dtype`; bfloat16 for a
     folder of configs only), so compressed sizes are predicted for Hugging Face-initialized weights.
     compress: as for `offload_pipeline` ("auto" plans raw groups on a machine without CUDA)."""
-    if compress not in (True, False, "auto"):
-        raise ArgumentError(f"compress={compress!r}: choose True, False or 'auto'")
+    config = config_of(gpu_memory, strategy=strategy, compress=compress, profile=profile)
+    strategy, compress, budget = config.strategy, config.compress, config.gpu_memory
     modules = meta_components(folder, dtype)
-    budget = parse_size(gpu_memory)
     calls, tokens = _resolve_calls(modules, steps, None, None)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if profile is None:
-        profile = load_profile(device)
-    if compress == "auto" and device != "cuda":
-        compress = False  # as offload on the CPU backend: no link to save
+    profile = load_profile(config.device) if config.profile is None else config.profile
     # wire sizes whenever compression is considered (built on the meta device, so "auto" would mean raw)
     costs = component_costs(modules, "cpu", allow_meta=True, compress=compress is not False)
     plans = split_budget(costs, budget, calls, tokens, profile, strategy, compress)

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from .config import OffloadConfig, config_of
 from .formats.hf import choose_disk_groups, diffusers_class
 from .placement.cost import predict
 from .placement.plan import wire_of
@@ -26,7 +27,8 @@ def _stored_diffusers_dtype(model_name: str) -> torch.dtype | None:
     return stored_dtype(model_name)
 
 
-def plan_report(model_name: str, gpu_memory: int | str, tokens: int | None = None, strategy: str = "auto",
+def plan_report(model_name: str, gpu_memory: int | str | OffloadConfig, tokens: int | None = None,
+                strategy: str = "auto",
                 prefill_tokens: int = 2048, dtype: str | torch.dtype | None = None,
                 cpu_memory: int | str | None = None, compress: bool | str = "auto") -> dict:
     """The placement of `model_name` (built-in shape, local checkpoint folder or diffusers model folder)
@@ -39,18 +41,19 @@ def plan_report(model_name: str, gpu_memory: int | str, tokens: int | None = Non
     diffusers model folder the dtype its weights are stored in; bfloat16 for a built-in shape).
     cpu_memory: host memory for the offloaded weights, as for `from_pretrained` (default: no limit).
     With the same arguments `from_pretrained` gets the same placement. compress: as for `offload` (wire
-    sizes predicted from Hugging Face-initialized weights' ratio)."""
+    sizes predicted from Hugging Face-initialized weights' ratio). `gpu_memory` may be an
+    `OffloadConfig` holding strategy and compress (and the device whose profile plans)."""
+    config = config_of(gpu_memory, strategy=strategy, compress=compress)
     model = meta_model(model_name, dtype if dtype is not None else _stored_diffusers_dtype(model_name))
     diffusers_model = type(model).__module__.startswith("diffusers")
     if tokens is None:
         from .pipeline import denoiser_tokens
 
         tokens = denoiser_tokens(model) if diffusers_model else 1
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    profile = load_profile(device)
+    profile = load_profile(config.device) if config.profile is None else config.profile
     host_bytes = None if cpu_memory is None else parse_size(cpu_memory)
-    prep = prepare(model, gpu_memory, device, allow_meta=True, strategy=strategy, tokens=tokens,
-                   profile=profile, host_bytes=host_bytes, compress=compress)
+    prep = prepare(model, config.replace(tokens=tokens, profile=profile), allow_meta=True,
+                   host_bytes=host_bytes)
     p, cost = prep.placement, prep.cost
     # a causal LM: decode and prefill; any other model (a diffusers denoiser): the tokens planned for
     phases = ((("decode", 1), (f"prefill_{prefill_tokens}", prefill_tokens)) if not diffusers_model
@@ -64,7 +67,7 @@ def plan_report(model_name: str, gpu_memory: int | str, tokens: int | None = Non
     resident_blocks = [i for i in range(len(cost.block_bytes)) if i not in p.streamed and i not in p.uva]
     return {
         "model": model_name,
-        "budget_bytes": parse_size(gpu_memory),
+        "budget_bytes": config.gpu_memory,
         "optimized_for_tokens": tokens,
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "profile": {"gpu": profile.gpu, "h2d_GBps": round(profile.h2d_GBps, 1)},

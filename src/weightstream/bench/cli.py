@@ -28,8 +28,8 @@ import sys
 
 import torch
 
+from ..config import resolve_device
 from ..errors import ArgumentError, WeightstreamError
-from ..placement.prepare import _resolve_device
 from ..usage import USAGE_ERROR, OneLineParser
 from . import kinds
 from .index import folder_errors, result_files, write_index
@@ -116,7 +116,7 @@ def check_run(args: argparse.Namespace) -> torch.device:
         raise ArgumentError(f"--device {args.device}: CUDA is not available here; use --device cpu with "
                             "--shape tiny or tiny-moe")
     try:
-        device = _resolve_device(args.device)
+        device = resolve_device(args.device)
     except WeightstreamError:
         raise ArgumentError(f"--device {args.device}: give cuda, cuda:N or cpu") from None
     if device.type == "cuda" and device.index >= torch.cuda.device_count():

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from ..config import OffloadConfig, config_of
 from ..dtypes import parse_dtype
 from ..engine.host import HostArena
 from ..errors import BudgetError, CheckpointError
@@ -275,7 +276,7 @@ def choose_disk_groups(group_bytes: list[int], cpu_memory: int | None) -> frozen
 
 def from_pretrained(
     path: str | os.PathLike,
-    gpu_memory: int | str,
+    gpu_memory: int | str | OffloadConfig,
     *,
     cpu_memory: int | str | None = None,
     dtype: torch.dtype | str | None = None,
@@ -301,6 +302,8 @@ def from_pretrained(
         config's, else float32).
     strategy, tokens, profile, compress: as for `offload` ("auto", "stream" or "uva"; tokens per
         forward to plan for; the machine profile to plan with; stream groups losslessly compressed).
+        `gpu_memory` may be an `OffloadConfig` holding them (with device and pin_memory); WEIGHTSTREAM_CHECK
+        turns on check mode as for `offload`.
         A compressed load codes each streamed group once, read from the shards one group at a time
         (on the GPU when `device` is one; a progress bar over groups).
     cache_dir: with compression and a disk tier, the folder of the compressed cache: one file
@@ -312,12 +315,13 @@ def from_pretrained(
     Returns the model, offloaded; `weightstream.handle_of(model)` gives its handle. On any error
     nothing stays allocated.
     """
+    config = config_of(gpu_memory, device=device, pin_memory=pin_memory, strategy=strategy, tokens=tokens,
+                       profile=profile, compress=compress)
     folder = checkpoint_folder(path)
     host_bytes = None if cpu_memory is None else parse_size(cpu_memory)
     model = build_model(folder, dtype)
     stored = read_index(folder)
-    prep = prepare(model, gpu_memory, device, allow_meta=True, strategy=strategy, tokens=tokens,
-                   pin_memory=pin_memory, profile=profile, host_bytes=host_bytes, compress=compress)
+    prep = prepare(model, config, allow_meta=True, host_bytes=host_bytes)
     pairs = _match(model, prep.entries, stored, folder)
     host_limit = None if host_bytes is None else host_bytes - sum(prep.uva_group_bytes)
     if host_limit is not None and host_limit < 0:  # the planner keeps to cpu_memory: a safety net
@@ -329,7 +333,7 @@ def from_pretrained(
         )
     on_disk = choose_disk_groups(prep.group_bytes, host_limit)
     disk = _disk_tier(prep, pairs, on_disk, folder) if on_disk else None
-    pin = pin_memory and prep.device.type == "cuda"
+    pin = config.pin_memory and prep.device.type == "cuda"
     sizes, coded = prep.host_group_bytes, frozenset()
     if prep.placement.compressed:
         prep.wire, disk = coded_load.encode(prep, pairs, disk, cache_dir, progress)
@@ -353,7 +357,7 @@ def from_pretrained(
             place = places.get(id(entry))  # none for a compressed or disk group's (in its blob)
             if id(entry) not in paired and place is not None and place is not entry.tensor.detach():
                 place.copy_(entry.tensor)
-        finish(prep, arena, places, disk, pin)
+        finish(prep, arena, places, disk, pin, check=config.check)
     except BaseException:
         arena.close()
         if disk is not None:

@@ -12,11 +12,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..config import OffloadConfig, config_of, resolve_device
 from ..engine.host import HostArena
 from ..engine.layout import Slice, pack
 from ..engine.streamed import _blocked_apply
-from ..errors import ArgumentError, OffloadStateError, WeightstreamError
-from ..sizes import format_size, parse_size
+from ..errors import ArgumentError, OffloadStateError
+from ..sizes import format_size
 from ..wire.codec import choose
 from .blocks import find_blocks
 from .cost import ModelCost, largest
@@ -103,24 +104,6 @@ def _check_model(model: nn.Module, blocks, entries: list[Entry], allow_meta: boo
             )
 
 
-def _resolve_device(device: str | torch.device | None) -> torch.device:
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError, ValueError):
-        raise ArgumentError(f"device={device!r}: give 'cuda', 'cuda:N' or 'cpu'") from None
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise WeightstreamError(
-                f"device={device} asked for, but CUDA is not available here: use device='cpu'"
-            )
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-    elif device.type != "cpu":
-        raise ArgumentError(f"device={device}: weightstream supports 'cuda' and 'cpu'")
-    return device
-
 
 @dataclass
 class Prepared:
@@ -202,7 +185,7 @@ def activation_width(model: nn.Module) -> int:
 
 def prepare(
     model: nn.Module,
-    gpu_memory: int | str,
+    gpu_memory: int | str | OffloadConfig,
     device: str | torch.device | None = None,
     blocks: list[str] | None = None,
     allow_meta: bool = False,
@@ -225,22 +208,20 @@ def prepare(
     predict_wire: give the cost each tensor's predicted compressed size (`codec.choose`, about 6 ms per
     72 MiB tensor) unless `compress` is False; None: only when the planner runs (no `placement`
     given), since an explicit placement does not use them. keep_resident: see `offload`.
+    `gpu_memory` may be an `OffloadConfig` (then the other arguments it holds stay at their defaults).
     """
-    budget = parse_size(gpu_memory)
-    device = _resolve_device(device)
+    config = config_of(gpu_memory, device=device, blocks=blocks, strategy=strategy, tokens=tokens,
+                       pin_memory=pin_memory, profile=profile, placement=placement, compress=compress,
+                       keep_resident=keep_resident)
+    budget, strategy, tokens = config.gpu_memory, config.strategy, config.tokens
+    device = resolve_device(config.device)  # with its index
+    profile, placement, compress, blocks = config.profile, config.placement, config.compress, config.blocks
     if not isinstance(model, nn.Module):
         raise ArgumentError(f"offload() takes an nn.Module, got {type(model).__name__}")
-    if profile is not None and not isinstance(profile, MachineProfile):
-        raise ArgumentError(
-            f"profile={type(profile).__name__}: give a weightstream.MachineProfile (e.g. "
-            "weightstream.REFERENCE_PROFILE, or MachineProfile.from_json of a `weightstream probe` cache)"
-        )
+    blocks = list(blocks) if blocks is not None else None
     found = find_blocks(model, blocks)
     block_modules = [b.module for b in found]
-    if isinstance(keep_resident, str):
-        raise ArgumentError(f"keep_resident={keep_resident!r}: give a list of tensor names, e.g. "
-                            "['layers.0.attn.k_cache']")
-    keep = frozenset(keep_resident)
+    keep = frozenset(config.keep_resident)
     entries = _collect(model, block_modules, keep)
     unknown = keep - {e.name for e in entries}
     if unknown:
@@ -254,14 +235,6 @@ def prepare(
         if entry.owner is not None:
             per_block[entry.owner].append(entry)
     layouts = [pack([e.nbytes for e in group]) for group in per_block]
-    if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
-        raise ArgumentError(f"tokens={tokens!r}: give the tokens per forward to optimize for, an int >= 1")
-    if strategy == "uva" and device.type == "cuda" and not pin_memory:
-        raise ArgumentError("strategy='uva' reads pinned host memory in place: it needs pin_memory=True")
-    if compress not in (True, False, "auto"):
-        raise ArgumentError(f"compress={compress!r}: choose True, False or 'auto'")
-    if compress == "auto" and device.type != "cuda":
-        compress = False  # no link to save on the CPU backend
     wire = compress is not False and (placement is None if predict_wire is None else predict_wire)
     cost = model_cost(entries, per_block, [size for _, size in layouts], activation_width(model),
                       expert_routing(model), wire=wire)

@@ -1,0 +1,130 @@
+"""`OffloadConfig`: how to offload, validated once.
+
+`offload`, `from_pretrained`, the pipeline path and the command line all build one (from their
+keyword arguments, or take one given), so every argument is checked here and nowhere else, with one
+message per mistake that says what to change; the engine and the planner then read plain, resolved
+values (bytes, a `torch.device`, a bool).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .errors import ArgumentError, WeightstreamError
+from .placement.plan import STRATEGIES, Placement
+from .placement.probe import MachineProfile
+from .sizes import parse_size
+
+CHECK_ENV = "WEIGHTSTREAM_CHECK"
+
+
+def resolve_device(device: str | torch.device | None, index: bool = True) -> torch.device:
+    """`device` as a `torch.device` (with `index`, a CUDA device gets the current one's index where it
+    names none): None means cuda where available, else cpu."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        raise ArgumentError(f"device={device!r}: give 'cuda', 'cuda:N' or 'cpu'") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise WeightstreamError(
+                f"device={device} asked for, but CUDA is not available here: use device='cpu'")
+        if device.index is None and index:
+            device = torch.device("cuda", torch.cuda.current_device())
+    elif device.type != "cpu":
+        raise ArgumentError(f"device={device}: weightstream supports 'cuda' and 'cpu'")
+    return device
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """How to offload a model (what `weightstream.offload` documents for each argument).
+
+    Built from what a user writes and resolved on construction: `gpu_memory` becomes bytes ("6GiB" ->
+    6442450944), `device` a `torch.device` (None: cuda where available), `check` a bool
+    (None: the environment variable WEIGHTSTREAM_CHECK), `compress="auto"` False on the CPU backend,
+    `blocks` and `keep_resident` tuples. A mistake raises `ArgumentError` saying what to change.
+    `replace(**changes)` gives a copy with some fields changed, validated again.
+
+        config = weightstream.OffloadConfig("6GiB", compress=False)
+        weightstream.offload(model, config)
+    """
+
+    gpu_memory: int | str
+    device: str | torch.device | None = None
+    pin_memory: bool = True
+    strategy: str = "auto"
+    compress: bool | str = "auto"
+    tokens: int = 1
+    profile: MachineProfile | None = None
+    check: bool | None = None
+    blocks: Sequence[str] | None = None
+    keep_resident: Collection[str] = ()
+    placement: Placement | None = None
+
+    def __post_init__(self) -> None:
+        put = object.__setattr__
+        put(self, "gpu_memory", parse_size(self.gpu_memory))
+        put(self, "device", resolve_device(self.device, index=False))  # the index: when it offloads
+        if not isinstance(self.pin_memory, bool):
+            raise ArgumentError(f"pin_memory={self.pin_memory!r}: give True or False")
+        if self.strategy not in STRATEGIES:
+            raise ArgumentError(f"strategy={self.strategy!r}: choose one of {', '.join(STRATEGIES)}")
+        if self.compress not in (True, False, "auto") or not isinstance(self.compress, bool | str):
+            raise ArgumentError(f"compress={self.compress!r}: choose True, False or 'auto'")
+        if self.compress == "auto" and self.device.type != "cuda":
+            put(self, "compress", False)  # no link to save on the CPU backend
+        if isinstance(self.tokens, bool) or not isinstance(self.tokens, int) or self.tokens < 1:
+            raise ArgumentError(
+                f"tokens={self.tokens!r}: give the tokens per forward to optimize for, an int >= 1")
+        if self.strategy == "uva" and self.device.type == "cuda" and not self.pin_memory:
+            raise ArgumentError(
+                "strategy='uva' reads pinned host memory in place: it needs pin_memory=True")
+        if self.profile is not None and not isinstance(self.profile, MachineProfile):
+            raise ArgumentError(
+                f"profile={type(self.profile).__name__}: give a weightstream.MachineProfile (e.g. "
+                "weightstream.REFERENCE_PROFILE, or MachineProfile.from_json of a `weightstream probe` "
+                "cache)")
+        if self.check is None:
+            put(self, "check", os.environ.get(CHECK_ENV, "") not in ("", "0"))
+        elif not isinstance(self.check, bool):
+            raise ArgumentError(f"check={self.check!r}: give True, False or None (the environment variable "
+                                f"{CHECK_ENV})")
+        for name in ("blocks", "keep_resident"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                example = "['model.layers']" if name == "blocks" else "['layers.0.attn.k_cache']"
+                raise ArgumentError(f"{name}={value!r}: give a list of names, e.g. {example}")
+        if self.blocks is not None:
+            put(self, "blocks", tuple(self.blocks))
+        put(self, "keep_resident", tuple(self.keep_resident))
+        if self.placement is not None and not isinstance(self.placement, Placement):
+            raise ArgumentError(f"placement={type(self.placement).__name__}: give a weightstream.Placement "
+                                "(plan.placement_of makes one) or None to let the planner choose")
+
+    def replace(self, **changes) -> OffloadConfig:
+        """A copy with `changes`, validated again."""
+        return dataclasses.replace(self, **changes)
+
+
+DEFAULTS = {f.name: f.default for f in dataclasses.fields(OffloadConfig) if f.name != "gpu_memory"}
+
+
+def config_of(gpu_memory: int | str | OffloadConfig, **given) -> OffloadConfig:
+    """The config a call means: `gpu_memory` itself when it is an OffloadConfig (then every argument
+    in `given` must be at its default), else one built from `gpu_memory` and `given`."""
+    if isinstance(gpu_memory, OffloadConfig):
+        changed = [name for name, value in given.items() if value is not DEFAULTS[name]
+                   and (isinstance(value, torch.device) or value != DEFAULTS[name])]
+        if changed:
+            raise ArgumentError(f"{', '.join(changed)} given beside an OffloadConfig: set them in the config "
+                                f"(config.replace({changed[0]}=...)), or pass gpu_memory instead of it")
+        return gpu_memory
+    return OffloadConfig(gpu_memory, **given)

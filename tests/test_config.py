@@ -1,0 +1,120 @@
+"""`OffloadConfig`: every offload argument validated in one place, and taken alike by `offload`,
+`from_pretrained`, the pipeline path and the command line."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from conftest import make_model
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import weightstream as ws
+from weightstream.config import OffloadConfig
+from weightstream.errors import ArgumentError
+
+# each argument's values: (value, valid on the CPU backend)
+CHOICES = {
+    "gpu_memory": [(10**6, True), ("1MiB", True), ("lots", False), (-5, False)],
+    "device": [(None, True), ("cpu", True), ("tpu", False), (3.5, False)],
+    "pin_memory": [(True, True), (False, True), ("no", False)],
+    "strategy": [("auto", True), ("stream", True), ("uva", True), ("fast", False)],
+    "compress": [("auto", True), (True, True), (False, True), ("yes", False), (1, False)],
+    "tokens": [(1, True), (2048, True), (0, False), (True, False), (1.5, False)],
+    "profile": [(None, True), (ws.REFERENCE_PROFILE, True), ("h200", False)],
+    "check": [(None, True), (True, True), (False, True), ("yes", False)],
+    "blocks": [(None, True), (["layers"], True), ("layers", False)],
+    "keep_resident": [((), True), (["layers.0.k"], True), ("layers.0.k", False)],
+}
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.fixed_dictionaries({name: st.sampled_from(values) for name, values in CHOICES.items()}))
+def test_a_config_is_built_exactly_when_every_argument_is_valid_and_a_mistake_names_its_argument(drawn):
+    """Drawn mixes of valid and invalid arguments (on this CPU-only machine, so device=None is the
+    CPU): the config is built, with resolved values, or raises ArgumentError naming a bad argument."""
+    kwargs = {name: value for name, (value, _) in drawn.items()}
+    bad = [name for name, (_, ok) in drawn.items() if not ok]
+    if torch.cuda.is_available():
+        pytest.skip("drawn for the CPU backend")
+    if not bad:
+        config = OffloadConfig(**kwargs)
+        assert isinstance(config.gpu_memory, int) and config.device == torch.device("cpu")
+        assert config.compress in (True, False)  # "auto" is raw on the CPU backend
+        assert isinstance(config.check, bool) and isinstance(config.keep_resident, tuple)
+        assert config.blocks is None or isinstance(config.blocks, tuple)
+        assert config.replace() == config  # validated again, unchanged
+        return
+    with pytest.raises(ArgumentError) as info:
+        OffloadConfig(**kwargs)
+    message = str(info.value)
+    assert any(name in message or (name == "gpu_memory" and "size" in message) for name in bad), message
+
+
+def test_a_config_offloads_exactly_as_the_same_arguments_do():
+    ref = make_model("llama", 0)
+    a, b = make_model("llama", 0), make_model("llama", 0)
+    weights = sum(t.numel() * t.element_size() for t in ref.state_dict().values())
+    config = ws.OffloadConfig(weights * 3 // 5, device="cpu", strategy="stream", tokens=4)
+    ha = ws.offload(a, config)
+    hb = ws.offload(b, gpu_memory=weights * 3 // 5, device="cpu", strategy="stream", tokens=4)
+    assert ha.config == config and hb.config == config
+    assert ha.placement == hb.placement and ha.placement.streamed
+    ids = torch.randint(0, ref.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = ref(ids).logits
+        assert torch.equal(a(ids).logits, expected) and torch.equal(b(ids).logits, expected)
+    with ha.edit():  # edit() offloads again with the handle's config
+        pass
+    assert ha.config == config and ha.placement == hb.placement
+    ha.restore()
+    hb.restore()
+
+
+def test_arguments_beside_a_config_are_refused_saying_where_they_go():
+    model = make_model("llama", 0)
+    config = ws.OffloadConfig("1GiB", device="cpu")
+    with pytest.raises(ArgumentError, match=r"strategy given beside an OffloadConfig.*replace\(strategy"):
+        ws.offload(model, config, strategy="stream")
+    with pytest.raises(ArgumentError, match="tokens given beside an OffloadConfig"):
+        ws.from_pretrained("/nonexistent", config, tokens=8)
+    # a field set to its default value is not "given"
+    assert ws.offload(model, config, strategy="auto").config == config
+
+
+def test_from_pretrained_and_the_pipeline_path_take_a_config(tmp_path):
+    ref = make_model("llama", 0)
+    ref.save_pretrained(tmp_path)
+    weights = sum(t.numel() * t.element_size() for t in ref.state_dict().values())
+    config = ws.OffloadConfig(weights * 3 // 5, device="cpu", strategy="stream")
+    model = ws.from_pretrained(tmp_path, config, progress=False)
+    plain = ws.from_pretrained(tmp_path, weights * 3 // 5, device="cpu", strategy="stream", progress=False)
+    assert ws.handle_of(model).placement == ws.handle_of(plain).placement
+    ids = torch.randint(0, ref.config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref(ids).logits)
+    with pytest.raises(ArgumentError, match="tokens"):  # a pipeline plans each component's tokens
+        ws.offload(_FakePipeline(), ws.OffloadConfig("1GiB", device="cpu", tokens=8))
+
+
+class _FakePipeline:
+    """Enough of a diffusers pipeline for `is_pipeline` (a `components` dict)."""
+
+    components = {}
+
+
+def test_the_command_line_reports_a_bad_offload_argument_in_one_line(capsys):
+    from weightstream.cli import main
+
+    assert main(["plan", "llama-3-8b", "--gpu-memory", "lots"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "lots" in err[0] and "size" in err[0]
+
+
+def test_every_field_of_the_config_is_an_argument_of_offload():
+    import inspect
+
+    names = {f.name for f in dataclasses.fields(OffloadConfig)}
+    assert names <= set(inspect.signature(ws.offload).parameters)
