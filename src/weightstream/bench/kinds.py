@@ -85,7 +85,8 @@ def add_options(p: argparse.ArgumentParser) -> None:
                         "and top ops in the row's setup); a profiler session slows later eager calls of the "
                         "process (docs/diagnostics.md): profile in a run of its own")
     p.add_argument("--bound", nargs="+", metavar="RESULTS",
-                   help="run nothing: each stored row's ms against max(resident compute, link transfer)")
+                   help="run nothing: each stored row's ms against max(resident compute, link transfer), and "
+                        "against the planner's prediction where the row has one")
     p.add_argument("--waits", nargs="+", metavar="RESULTS",
                    help="run nothing: where the stored timelines' compute waited (copies, decodes, launch "
                         "gaps) and the gaps between kernels during copies")
@@ -145,13 +146,13 @@ def runs_nothing(args: argparse.Namespace) -> bool:
 def check_device(args: argparse.Namespace) -> torch.device:
     """The device of a non-suite kind; ArgumentError for CUDA asked for and absent, or a full-size shape
     without CUDA (the suite's own check is `bench/cli.py`'s `check_run`)."""
-    from ..placement.prepare import _resolve_device
+    from ..config import resolve_device
 
     if (args.device or "").startswith("cuda") and not torch.cuda.is_available():
         raise ArgumentError(f"--device {args.device}: CUDA is not available here; use --device cpu with a "
                             "tiny shape")
     try:
-        device = _resolve_device(args.device)
+        device = resolve_device(args.device)
     except Exception:
         raise ArgumentError(f"--device {args.device}: give cuda, cuda:N or cpu") from None
     if device.type == "cuda" and device.index is None:
@@ -191,9 +192,13 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
     command = "weightstream bench " + shlex.join(argv)
     if args.bound:
         from .analysis import bound_table
+        from .report import prediction_table
         from .schema import load_results
 
-        print(bound_table(load_results(args.bound)))
+        docs = load_results(args.bound)
+        print(bound_table(docs))
+        if any((r.get("setup") or {}).get("prediction") for d in docs for r in d["results"]):
+            print("\nThe planner's predictions against the measurements:\n\n" + prediction_table(docs))
         return 0
     if args.waits:
         from .analysis import waits_text
