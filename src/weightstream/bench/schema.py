@@ -2,6 +2,7 @@
 validation, and writing and reading it.
 
 Result document (`validate` checks it; sizes in bytes, times in ms, bandwidth in GB/s of 1e9 bytes):
+    kind: the `--kind` that wrote it, suite, pipeline, load or codec (optional: older files lack it)
     command, date, gpu, torch, transformers, weightstream, python: strings
     h2d_bandwidth_GBps: float (None on CPU); shape: {name, config fields, dtype}; weight_bytes: int
     versions: {accelerate, diffusers: version or None}; inductor_emulate_precision_casts: bool
