@@ -182,7 +182,7 @@ def run_caching(model, calls: int = 3):
 @pytest.mark.parametrize("n_slots", [1, 2])
 def test_blocks_that_mutate_the_containers_they_are_given_are_exact(n_slots, compiled):
     """The block must get the caller's own list and dict, not rebuilt copies: the Wan VAE's blocks
-    update a cache list in place, and a decode with the update lost fails (session 33)."""
+    update a cache list in place, and a decode with the update lost fails (a bug fixed 2026-12-05)."""
     ref, model = caching_twin(n_slots)
     if compiled:
         torch._dynamo.reset()

@@ -388,7 +388,7 @@ def test_threads_calling_one_model_at_once_are_exact(kind):
 def test_every_registered_engine_takes_each_graph_notification():
     """`replay.notify` reaches every live engine, offloaded models and reference models with the ops at
     their blocks' edges alike (conftest.Boundaries), with the capture-begin notification too (the H200
-    GPU tests found the reference engine refusing its `synchronize` argument, session 29)."""
+    GPU tests found the reference engine refusing its `synchronize` argument, 2026-12-05)."""
     from conftest import make_model, with_boundaries
 
     edges = with_boundaries(make_model("llama"))
@@ -407,7 +407,7 @@ def test_every_registered_engine_takes_each_graph_notification():
 def test_a_model_with_idle_ops_at_its_edges_runs_eagerly_like_itself():
     """The compiled tests' reference (conftest.with_boundaries) is also called eagerly between graph
     replays on the GPU: its eager forward goes through `ops.eager` and the idle engine's every method
-    (session 33's H200 run found `unalias` missing; this runs that path on the CPU), giving the plain
+    (an H200 run on 2026-12-05 found `unalias` missing; this runs that path on the CPU), giving the plain
     model's output. An engine lacking a method is refused when registered."""
     from conftest import make_model, with_boundaries
 

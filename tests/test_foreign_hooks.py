@@ -1,6 +1,6 @@
 """A model that another offloader manages is refused with what to do, not offloaded into a fight over
 its weights: diffusers' group offloading and accelerate's hooks (what `enable_model_cpu_offload` and
-`enable_sequential_cpu_offload` install). Found in session 33: a pipeline whose transformer had group
+`enable_sequential_cpu_offload` install). Found on 2026-12-05: a pipeline whose transformer had group
 offloading was offloaded without a word and its generation then failed deep inside diffusers' hooks."""
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def test_a_pipeline_names_the_component_another_offloader_manages():
 
 def test_a_block_whose_forward_is_replaced_on_the_module_is_refused():
     """An instance-level `forward` (diffusers' caching hooks, or code assigning it) calls the block's
-    class forward and would bypass the streaming forward: found in session 33, such a Flux model
+    class forward and would bypass the streaming forward: found on 2026-12-05, such a Flux model
     offloaded silently gave wrong outputs (its blocks computed from whatever the slots held)."""
     from diffusers.hooks import FirstBlockCacheConfig, apply_first_block_cache
 

@@ -4,7 +4,7 @@ clocks, so every write into a slot or landing buffer must be ordered after every
 of it, and every read (a block's compute, a decode) after the write it reads, with the group it expects.
 
 The synchronous CPU backend cannot see such races: its copies happen at once. This found one on the
-CPU before any GPU did (session 29): where a model streams some groups raw and some compressed, a raw
+CPU before any GPU did (2026-12-05): where a model streams some groups raw and some compressed, a raw
 copy (copy stream) and a decode (decode stream) into the same slot were ordered only through compute,
 so a new pass started while the last forward's copies were in flight could read a slot the other
 stream was still writing (`CudaTransfer.after_last_write` orders them).

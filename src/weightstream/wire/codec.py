@@ -24,7 +24,7 @@ import torch
 
 # The GPU decoder's generation (codec_triton): a profile's decode rate counts only when measured with
 # this one; bump it whenever the kernel's speed changes, so cached profiles are measured again.
-# 2: session 27 (code per kind and code width, vectorized; about 2.2x the first).
+# 2: 2026-12-04 (code per kind and code width, vectorized; about 2.2x the first).
 DECODER_VERSION = "2"
 CHUNK = 2560  # values per chunk: a multiple of 4 * rows for every row count (16, 8, 5, 4) and of 8
 RAW_CHUNK = 2 * CHUNK  # bytes per chunk of a raw segment
