@@ -9,7 +9,7 @@ import os
 import re
 
 from weightstream.bench import report
-from weightstream.bench.index import result_files
+from weightstream.bench.index import page_links, result_files
 from weightstream.bench.schema import load_results, validate, write_json
 
 
@@ -68,8 +68,9 @@ def test_the_committed_page_is_what_the_recorded_results_give(tmp_path):
     try:
         os.chdir(root)
         paths = result_files(["benchmarks/results"])
-        text = report.write_benchmarks_md(paths, str(tmp_path / "docs" / "benchmarks.md"), images,
-                                          index_path=str(tmp_path / "benchmarks" / "results" / "INDEX.md"))
+        md = str(tmp_path / "docs" / "benchmarks.md")
+        links = page_links(paths, md, str(tmp_path / "benchmarks" / "results" / "INDEX.md"))
+        text = report.write_benchmarks_md(paths, md, images, *links)
     finally:
         os.chdir(cwd)
     assert text == committed

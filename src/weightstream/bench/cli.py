@@ -32,10 +32,10 @@ from ..config import resolve_device
 from ..errors import ArgumentError, WeightstreamError
 from ..usage import USAGE_ERROR, OneLineParser
 from . import kinds
-from .index import folder_errors, result_files, write_index
+from .index import folder_errors, page_links, page_plots, result_files, write_index
 from .limits import check_limits
 from .phases import DEFAULT_PHASES, parse_phase
-from .report import markdown_table, page_plots, write_benchmarks_md
+from .report import markdown_table, write_benchmarks_md
 from .runner import resolve_budget, run_suite
 from .schema import DEFAULT_MODES, load_results, validate_files
 from .shapes import shape_weight_bytes
@@ -101,12 +101,14 @@ def report(paths: list[str], md_path: str, png_dir: str, index_path: str | None 
     if not files:
         raise ArgumentError(f"--report {' '.join(paths)}: no result documents there")
     images = page_plots(load_results(files), files, png_dir)
-    if index_path:
-        bad = folder_errors(folders[0])
-        if bad:
-            raise ArgumentError(f"{folders[0]}: {bad[0]} (folders are <date>_<gpu>_<topic>, see index.py)")
-        write_index(folders[0], index_path)
-    return write_benchmarks_md(files, md_path, images, index_path=index_path)
+    if not index_path:
+        return write_benchmarks_md(files, md_path, images)
+    bad = folder_errors(folders[0])
+    if bad:
+        raise ArgumentError(f"{folders[0]}: {bad[0]} (folders are <date>_<gpu>_<topic>, see index.py)")
+    write_index(folders[0], index_path)
+    index_link, rows_links = page_links(files, md_path, index_path)
+    return write_benchmarks_md(files, md_path, images, index_link, rows_links)
 
 
 def check_run(args: argparse.Namespace) -> torch.device:

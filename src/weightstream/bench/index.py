@@ -249,3 +249,46 @@ def write_index(root: str, index_path: str) -> str:
     with open(index_path, "w") as f:
         f.write(text)
     return text
+
+
+def gpu_tag(gpu: str) -> str:
+    """A short name of a recorded GPU for file names: "NVIDIA H100 80GB HBM3" -> "h100"."""
+    match = re.search(r"\b([a-z]\d{2,4}[a-z]?)\b", gpu.lower())
+    return match.group(1) if match else re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-") or "gpu"
+
+
+def page_plots(docs: list[dict], paths: list[str], png_dir: str) -> list[str]:
+    """The page's plots (`plots.py`, so matplotlib): tokens/s against the budget per GPU and shape,
+    `bench_<shape>.png` (`bench_<gpu>_<shape>.png` where the documents come from more than one GPU:
+    runs on different cards are never drawn together), and one per stored timeline, named
+    `timeline_<folder>_<file>_<method>_<phase>[_<mode>]_<budget %>.png` for a file in a results folder
+    (`FOLDER_RE`), so no two share a name. Returns the PNG paths."""
+    from .plots import plot_timeline, plot_tokens_per_s
+
+    os.makedirs(png_dir, exist_ok=True)
+    images = []
+    several = len({d["gpu"] for d in docs}) > 1
+    for gpu, shape in dict.fromkeys((d["gpu"], d["shape"]["name"]) for d in docs):
+        images.append(os.path.join(png_dir, f"bench_{gpu_tag(gpu) + '_' if several else ''}{shape}.png"))
+        plot_tokens_per_s([d for d in docs if d["gpu"] == gpu and d["shape"]["name"] == shape], images[-1])
+    for doc, path in zip(docs, paths, strict=True):
+        folder = os.path.basename(os.path.dirname(os.path.abspath(path)))
+        source = (f"{folder}_{os.path.splitext(os.path.basename(path))[0]}" if FOLDER_RE.match(folder)
+                  else doc["shape"]["name"])
+        for t in doc.get("timelines", []):
+            share = f"_{round(100 * t['budget_bytes'] / doc['weight_bytes'])}pct" if t["budget_bytes"] else ""
+            mode = "" if t.get("mode", "eager") == "eager" else f"_{t['mode']}"
+            name = f"timeline_{source}_{t['method']}_{t['phase']}{mode}{share}.png"
+            images.append(os.path.join(png_dir, name))
+            title = (f"{doc['shape']['name']} {t['method']} {t['phase']} {t.get('mode', 'eager')}, "
+                     + (f"budget {format_size(t['budget_bytes'])}" if t["budget_bytes"] else "resident")
+                     + f" ({gpu_tag(doc['gpu'])})")
+            plot_timeline(t["events"], images[-1], title)
+    return images
+
+
+def page_links(paths: list[str], md_path: str, index_path: str) -> tuple[str, list[str]]:
+    """For `report.write_benchmarks_md`: the index relative to the page, and per result file the link
+    to its rows there."""
+    index = os.path.relpath(os.path.abspath(index_path), os.path.dirname(os.path.abspath(md_path)))
+    return index, [f"{index}#{anchor_of(p)}" for p in paths]

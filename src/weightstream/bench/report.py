@@ -1,6 +1,6 @@
 """The report: a markdown table of stored results, each run's context, the performance bars checked on
-them, and the docs/benchmarks.md page that puts them together (plots: `plots.py`, `page_plots`; the
-results folder's INDEX.md: `index.py`).
+them, and the docs/benchmarks.md page that puts them together (plots: `plots.py`; the page's plots and
+links and the results folder's INDEX.md: `index.py`).
 
 Nothing here runs a model: every function reads result documents (`schema.load_results`).
 """
@@ -8,7 +8,6 @@ Nothing here runs a model: every function reads result documents (`schema.load_r
 from __future__ import annotations
 
 import os
-import re
 
 from ..sizes import format_size
 from . import methods as registry
@@ -226,27 +225,24 @@ def _compress_lines(measured: list[dict], auto: dict, where: str) -> list[str]:
 
 
 def write_benchmarks_md(result_paths: list[str], md_path: str, images: list[str] = (),
-                        index_path: str | None = None) -> str:
+                        index_link: str | None = None, rows_links: list[str] | None = None) -> str:
     """Write a docs/benchmarks.md-style page from stored result files: the header explaining the
     numbers, each run's context, the table, and `images` (PNG paths, linked relative to the page).
-    With `index_path` (the results folder's INDEX.md, `index.py`), each run links to its rows there.
-    Returns the text."""
-    from .index import anchor_of
-
+    `index_link`: the results index, relative to the page (said in the header); `rows_links`: per
+    result file, the link to its rows there (`index.page_links` gives both). Returns the text."""
     docs = load_results(result_paths)
     here = os.path.dirname(os.path.abspath(md_path))
-    index = os.path.relpath(os.path.abspath(index_path), here) if index_path else None
     header = REPORT_HEADER.strip()
     if any(r["mode"] == "graph-eager" for d in docs for r in d["results"]):  # said only where it appears
         header += "\n" + GRAPH_EAGER_NOTE
     if compressed(docs):
         header += "\n" + WIRE_NOTE
-    if index:
-        header += (f"\n\nEvery row, with an anchor to link to, is also in [the results index]({index}), "
+    if index_link:
+        header += (f"\n\nEvery row, with an anchor to link to, is also in [the results index]({index_link}), "
                    "which says how the results folder is laid out.")
     parts = [header, "## The bars, checked on these results\n\n" + "\n".join(bar_lines(docs))]
-    parts += [run_section(doc, path, index and f"{index}#{anchor_of(path)}")
-              for doc, path in zip(docs, result_paths, strict=True)]
+    links = rows_links or [None] * len(docs)
+    parts += [run_section(doc, path, link) for doc, path, link in zip(docs, result_paths, links, strict=True)]
     parts += [f"![{os.path.basename(p)}]({os.path.relpath(os.path.abspath(p), here)})" for p in images]
     parts.append(markdown_table(docs))
     text = "\n\n".join(parts) + "\n"
@@ -278,39 +274,3 @@ def prediction_table(docs: list[dict]) -> str:
                          f"{exact} |")
     return "\n".join(lines)
 
-
-def gpu_tag(gpu: str) -> str:
-    """A short name of a recorded GPU for file names: "NVIDIA H100 80GB HBM3" -> "h100"."""
-    match = re.search(r"\b([a-z]\d{2,4}[a-z]?)\b", gpu.lower())
-    return match.group(1) if match else re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-") or "gpu"
-
-
-def page_plots(docs: list[dict], paths: list[str], png_dir: str) -> list[str]:
-    """The page's plots (`plots.py`, so matplotlib): tokens/s against the budget per GPU and shape,
-    `bench_<shape>.png` (`bench_<gpu>_<shape>.png` where the documents come from more than one GPU:
-    runs on different cards are never drawn together), and one per stored timeline, named
-    `timeline_<folder>_<file>_<method>_<phase>[_<mode>]_<budget %>.png` for a file in a results folder
-    (`index.FOLDER_RE`), so no two share a name. Returns the PNG paths."""
-    from .index import FOLDER_RE
-    from .plots import plot_timeline, plot_tokens_per_s
-
-    os.makedirs(png_dir, exist_ok=True)
-    images = []
-    several = len({d["gpu"] for d in docs}) > 1
-    for gpu, shape in dict.fromkeys((d["gpu"], d["shape"]["name"]) for d in docs):
-        images.append(os.path.join(png_dir, f"bench_{gpu_tag(gpu) + '_' if several else ''}{shape}.png"))
-        plot_tokens_per_s([d for d in docs if d["gpu"] == gpu and d["shape"]["name"] == shape], images[-1])
-    for doc, path in zip(docs, paths, strict=True):
-        folder = os.path.basename(os.path.dirname(os.path.abspath(path)))
-        source = (f"{folder}_{os.path.splitext(os.path.basename(path))[0]}" if FOLDER_RE.match(folder)
-                  else doc["shape"]["name"])
-        for t in doc.get("timelines", []):
-            share = f"_{round(100 * t['budget_bytes'] / doc['weight_bytes'])}pct" if t["budget_bytes"] else ""
-            mode = "" if t.get("mode", "eager") == "eager" else f"_{t['mode']}"
-            name = f"timeline_{source}_{t['method']}_{t['phase']}{mode}{share}.png"
-            images.append(os.path.join(png_dir, name))
-            title = (f"{doc['shape']['name']} {t['method']} {t['phase']} {t.get('mode', 'eager')}, "
-                     + (f"budget {format_size(t['budget_bytes'])}" if t["budget_bytes"] else "resident")
-                     + f" ({gpu_tag(doc['gpu'])})")
-            plot_timeline(t["events"], images[-1], title)
-    return images
