@@ -118,7 +118,7 @@ def test_results_folders_are_named_by_date_gpu_and_topic():
     the top of benchmarks/results but INDEX.md; no folders inside; each folder has a README.md."""
     for good in ("2026-12-02_h200_llm-suite", "2026-12-05_cpu_flux-pipeline-plan", "2026-12-03_h100_qwen2.5"):
         assert FOLDER_RE.match(good), good
-    for bad in ("h100_session31", "2026-12-05_h100_Flux", "2026-12-05_a100_llm", "20261205_h100_llm",
+    for bad in ("h100_llm-suite", "2026-12-05_h100_Flux", "2026-12-05_a100_llm", "20261205_h100_llm",
                 "2026-12-05_h100_", "2026-12-05_h100_llm_run1"):
         assert not FOLDER_RE.match(bad), bad
     assert folder_errors(RESULTS) == []
