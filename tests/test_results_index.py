@@ -19,9 +19,8 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 INDEX = os.path.join(RESULTS, "INDEX.md")
 
-# The user-facing pages. docs/architecture.md is left out until its results paths follow the dated folders.
-PAGES = ["README.md", *sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md"))
-                             if os.path.basename(p) != "architecture.md")]
+PAGES = ["README.md",  # the user-facing pages
+         *sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))]
 
 PATH_RE = re.compile(r"benchmarks/results/(?:\{[^{}\s]*\}|[^\s`'\"()\[\]<>,;|{}])+")
 LINK_RE = re.compile(r"\]\(([^)\s]+)\)")
