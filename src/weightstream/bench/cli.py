@@ -74,7 +74,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--emulate-precision-casts", action="store_true",
                    help="Inductor rounds to bf16 where eager does (compiled exactness, benchmarks/README.md)")
     p.add_argument("--out", default=None,
-                   help="result JSON (default benchmarks/results/<kind>_<shape>.json)")
+                   help="result JSON (default <kind>_<shape>.json in the current folder)")
     p.add_argument("--report", nargs="+", metavar="RESULTS",
                    help="run nothing: write the page and plots from stored result JSON files, or from every "
                         "result document under a folder")
@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
             return kinds.main(args, argv)
         device = check_run(args)
         kinds.check_suite(args)
-        out = args.out or f"benchmarks/results/suite_{args.shape}.json"
+        out = args.out or kinds.out_path(args)
         doc = run_suite(args.shape, args.budgets, args.phases, args.methods, args.modes, args.reps, device,
                         out, seed=args.seed, timeline=not args.no_timeline,
                         emulate_precision_casts=args.emulate_precision_casts,

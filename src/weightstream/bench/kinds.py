@@ -182,8 +182,9 @@ def check_budgets_phases(args: argparse.Namespace, weight_bytes: int) -> None:
 
 
 def out_path(args: argparse.Namespace) -> str:
-    """`--out`, or benchmarks/results/<kind>_<shape>.json."""
-    return args.out or f"benchmarks/results/{args.kind}_{args.shape or 'group'}.json"
+    """`--out`, or <kind>_<shape>.json in the current folder (benchmarks/results/ holds recorded runs
+    only, each in a dated folder with its README, as benchmarks/README.md says)."""
+    return args.out or f"{args.kind}_{args.shape or 'group'}.json"
 
 
 def main(args: argparse.Namespace, argv: list[str]) -> int:

@@ -64,7 +64,7 @@ def _refill(node, new):
 
 
 # Whether an eager forward calls the engine straight (`ops.eager`); False sends it through the custom
-# ops and their copies as a compiled forward does (benchmarks/ab_eager_ops.py times one against the other)
+# ops and their copies as a compiled forward does (docs/diagnostics.md: one timed against the other)
 EAGER_DIRECT = True
 
 

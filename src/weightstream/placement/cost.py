@@ -195,7 +195,7 @@ def predict(
     is done, issued when the group before it in the same slot starts (so up to two groups ahead of
     compute); copies run one after another on the link. A decode fills the slot at the profile's
     decode rate, but it does not overlap compute: measured on the H200
-    (benchmarks/diag_decode_overlap.py), a decode enqueued beside busy GEMMs lengthens them by more
+    (docs/diagnostics.md), a decode enqueued beside busy GEMMs lengthens them by more
     than its own time, and in a Flux step every decode ran only once compute was idle. So a group's
     decode starts once its blob has landed, the decode before it is done and compute has reached the
     group, and compute waits for it."""

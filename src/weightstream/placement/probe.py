@@ -117,10 +117,11 @@ def _interpolate(table: dict[int, float], tokens: int) -> float:
 
 
 # Measured on an H200 (PCIe Gen5, torch 2.11) by `measure()`, recorded in
-# benchmarks/results/plan_llama-3-8b.json; used to plan where no GPU can be measured (the CPU backend,
+# benchmarks/results/2026-12-02_h200_llama-3-8b-planner-sweep/plan_llama-3-8b.json;
+# used to plan where no GPU can be measured (the CPU backend,
 # `weightstream plan` on a machine without CUDA).
 H200 = MachineProfile(
-    gpu="NVIDIA H200 (reference, benchmarks/results/plan_llama-3-8b.json)",
+    gpu="NVIDIA H200 (reference, measured 2026-12-02)",
     copy_s_per_byte=1.81323e-11,
     resident={1: 4.704e-13, 16: 4.437e-13, 64: 4.867e-13, 256: 5.71e-13,
         1024: 1.567e-12, 2048: 2.854e-12, 8192: 1.15e-11},

@@ -187,7 +187,8 @@ class CodedCudaTransfer(CudaTransfer):
         self.wire = wire
         self.decoder = codec_triton
         # normal priority: a high-priority decode stream was no faster on a Flux step (220.1 against
-        # 221.5 ms) and slowed GEMMs beside it more (benchmarks/results/diag_decode_overlap.log)
+        # 221.5 ms) and slowed GEMMs beside it more
+        # (benchmarks/results/2026-12-04_h200_decoder/diag_decode_overlap.log)
         self.decode_stream = torch.cuda.Stream(device)
         self.landing = [torch.empty(landing_bytes, dtype=torch.uint8, device=device)
                         for _ in range(n_landing)]

@@ -19,7 +19,7 @@ from . import codec
 
 _STEP = 512  # values per step of a program; CHUNK is a multiple of it
 _RAW_STEP = 1024  # bytes per step of a raw chunk; RAW_CHUNK is a multiple of it
-_WARPS = 2  # warps per program (benchmarks/bench_decoder.py sweeps it)
+_WARPS = 2  # warps per program (`weightstream bench --kind codec --warps ...` sweeps it)
 
 
 @triton.jit
@@ -50,7 +50,8 @@ def _chunk(blob, raw_ptr, code_base, x_ptr, out_ptr, c, cursor, base, limit, k, 
            CHUNK: tl.constexpr, STEP: tl.constexpr):
     """Decode chunk `c` of a segment: its first `limit` values. A full chunk is decoded by code
     compiled for its kind and code width (`limit` and `k` constants), which is what lets the loads
-    and stores be vectorized (2.2x faster on an H200: benchmarks/results/decoder_variants_h200.log)."""
+    and stores be vectorized (2.2x faster on an H200:
+    benchmarks/results/2026-12-04_h200_decoder/diag_decoder_variants.log)."""
     code_ptr = (code_base + c * (2 * (CHUNK // (16 // k)))).to(tl.pointer_type(tl.int16))
     for b in range(0, CHUNK, STEP):
         i = b + tl.arange(0, STEP)
