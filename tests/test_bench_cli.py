@@ -12,6 +12,7 @@ from weightstream.bench import cli
 from weightstream.cli import main as weightstream_main
 
 
+@pytest.mark.slow
 def test_report_mode_writes_the_page_and_plots(bench_stored, tmp_path):
     pytest.importorskip("matplotlib")
     md = tmp_path / "benchmarks.md"

@@ -16,6 +16,7 @@ pytest.importorskip("diffusers")
 STEPS = [("tiny-flux", 16 + 8, 0.5), ("tiny-wan", 2 * 4 * 4, 0.8), ("tiny-t5", 8, 0.5)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape, tokens, budget", STEPS)
 def test_a_denoising_step_runs_through_the_harness_exactly(tmp_path, shape, tokens, budget):
     doc = run_suite(shape, [budget], ["denoise-b2"], ["resident", "ws-stream", "ws-auto"], ["eager"], 1,

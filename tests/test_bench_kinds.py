@@ -45,6 +45,7 @@ def test_fp8_weights_stream_as_stored_and_match_the_resident_model(tmp_path):
     assert row["setup"]["engine_per_call"]["misses"] == 0
 
 
+@pytest.mark.slow
 def test_encoder_decoder_steps_and_generations_are_exact(tmp_path):
     """T5's decoder step on fixed encoder states, and a greedy generation with a KV cache, offloaded and
     resident give the same logits and tokens (formerly benchmarks/bench_encdec.py); a step's link bytes

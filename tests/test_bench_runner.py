@@ -82,6 +82,7 @@ def test_a_moe_shape_runs_through_the_harness_exactly(tmp_path):
     assert row["exact"] is True and row["reference"] == "resident eager" and row["setup"]["link_bytes"] > 0
 
 
+@pytest.mark.slow
 def test_method_seconds_stops_a_slow_method_and_the_run_goes_on(tmp_path, monkeypatch):
     """A method that overruns --method-seconds, in its preparation or in a mode, is recorded with that
     error, undone, and the next method still runs and is exact; its modes not started are skipped."""
@@ -116,6 +117,7 @@ def test_method_seconds_stops_a_slow_method_and_the_run_goes_on(tmp_path, monkey
                          str(tmp_path / "x.json"), method_seconds=0)
 
 
+@pytest.mark.slow
 def test_compressed_weightstream_rows_record_wire_bytes_and_bound_the_link_by_them(tmp_path):
     """ws-auto-compress through the real runner on the CPU: exact, its rows carry wire bytes below the
     raw ones and a link_bytes that counts the wire bytes; raw ws-auto rows carry ratio 1; the report

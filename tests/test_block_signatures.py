@@ -116,6 +116,7 @@ def test_any_block_signature_is_exact(signature, n_slots):
     ((TENSOR, [TENSOR, None]), {"temb": TENSOR}),
     (({"a": TENSOR, "b": (TENSOR, 3)},), {"ctx": [TENSOR]}),
 ])
+@pytest.mark.slow
 def test_compiled_block_signatures_are_exact_without_graph_breaks(signature):
     ref, model, handle = offloaded_twin(signature, 2)
     torch._dynamo.reset()

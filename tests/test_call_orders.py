@@ -225,6 +225,7 @@ def test_every_call_order_is_exact(kind, placement, actions, direct):
     handle.restore()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["one", "two"])
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(placement=coded_placements(), actions=st.lists(ACTIONS, min_size=1, max_size=10))

@@ -14,6 +14,7 @@ pytest.importorskip("diffusers")
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow
 def test_flux_example_tiny_mode_runs_and_matches_the_resident_pipeline(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
     image = tmp_path / "noise.png"

@@ -108,6 +108,7 @@ def test_fp8_streams_half_the_bytes_of_bf16(tmp_path):
     assert all(e.bf16_bytes == 2 * e.nbytes for e in quantized)
 
 
+@pytest.mark.slow
 def test_a_compiled_fp8_model_is_exact(tmp_path):
     ref = fp8_checkpoint(tmp_path)
     model = ws.from_pretrained(tmp_path, gpu_memory="100KB", device="cpu", progress=False, strategy="stream")

@@ -35,6 +35,7 @@ def stream_every_block(model, n_slots: int = 2):
     return ws.offload(model, gpu_memory=placement.gpu_bytes, device="cpu", placement=placement)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(ZOO))
 def test_eager_exact_and_no_misses_once_the_order_is_learned(name):
     ref, model, inputs = build(name)
@@ -65,6 +66,7 @@ SLOW_COMPILED = [("qwen3", True), ("qwen3_moe", True), ("gemma3_text", True), ("
 
 @pytest.mark.parametrize("name, fuses",
                          COMPILED + [pytest.param(*c, marks=pytest.mark.slow) for c in SLOW_COMPILED])
+@pytest.mark.slow
 def test_compiled_fullgraph_exact_with_no_added_graph_breaks(name, fuses):
     ref, model, inputs = build(name)
     edges = with_boundaries(copy.deepcopy(ref))

@@ -42,6 +42,7 @@ def test_eager_logits_are_bit_identical(twin, arch, fraction, strategy):
     assert handle.placement.gpu_bytes <= budget_for(ref, fraction)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["stream", "uva"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_compiled_fullgraph_is_bit_identical_to_compiled_resident(twin, arch, strategy):

@@ -189,6 +189,7 @@ def torchao_configs():
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["int8", "float8", "int4"])
 def test_torchao_weight_only_models_stream_exactly(name):
     from torchao.quantization import quantize_
@@ -319,6 +320,7 @@ def test_plain_fp8_weights_with_block_scales_stream_exactly(dtype):
     assert_streams_exactly(ref, copy.deepcopy(ref), compiled=False)  # compiled: test_fp8.py
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_plain_int8_and_packed_int4_weights_stream_exactly(kind):
     make = Int8Linear if kind == "int8" else Int4Linear

@@ -78,6 +78,7 @@ def _rank(rank: int, port: int, results) -> None:
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not built in")
 def test_tensor_parallel_ranks_stream_their_shards_exactly():
     with mp.Manager() as manager:

@@ -46,6 +46,7 @@ def test_compressed_streaming_is_bit_identical(arch, dtype):
         assert stats.wire_ratio < 0.9  # groups really crossed compressed
 
 
+@pytest.mark.slow
 def test_compiled_generate_out_of_order_and_restore_stay_exact():
     ref, model = bf16_twin("llama")
     original = state_copy(model)

@@ -425,6 +425,7 @@ class Drawn(nn.Module):
        calls=st.lists(st.one_of(st.just("forward"), st.just("edit"), st.just("write"),
                                 st.integers(0, 4)), min_size=1, max_size=8),
        compiled=st.booleans())
+@pytest.mark.slow
 def test_drawn_writers_hooks_and_call_orders_match_the_resident_model(behaviours, n_slots, calls, compiled):
     """Compiled: after one eager forward (which moves the state the blocks write to resident storage),
     against the resident model compiled the same way."""
