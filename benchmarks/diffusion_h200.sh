@@ -78,8 +78,8 @@ flux-timeline)  # the 12 GiB step and the resident step profiled in one run (the
     python3 -m weightstream bench --waits "$OUT/suite_flux-dev-transformer_timeline.json" \
         | tee "$OUT/timeline_waits_flux.log" ;;
 gpu-tests)
-    PYTHONPATH=src:tests:/tmp/site python3 -m pytest -m gpu -q -p no:cacheprovider tests/test_codec.py \
-        tests/test_wire.py tests/test_gpu_call_orders.py tests/test_gpu.py tests/test_gpu_hf.py \
+    PYTHONPATH=src:tests:/tmp/site python3 -m pytest -m gpu -q -p no:cacheprovider tests/wire/test_codec.py \
+        tests/wire/test_wire.py tests/engine/test_gpu_call_orders.py tests/test_gpu.py tests/formats/test_gpu_hf.py \
         tests/test_pipeline.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -15 ;;
 *) echo "unknown part $1" >&2; exit 2 ;;
 esac

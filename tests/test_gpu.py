@@ -134,7 +134,7 @@ def test_raw_and_compressed_groups_sharing_slots_stay_exact_in_any_order(monkeyp
     """Groups 0-2 stream raw (copies on the copy stream) and group 3 compressed (decodes on the decode
     stream) through two slots, as where some groups do not shrink: forwards back to back and layers
     called by hand out of order, so raw copies and decodes go into the same slots with no compute
-    between them (tests/test_stream_order.py checks their ordering with fake streams)."""
+    between them (tests/engine/test_stream_order.py checks their ordering with fake streams)."""
     import sys
 
     engine = sys.modules["weightstream.handle"]

@@ -34,7 +34,7 @@ RAW, BF16, FP16 = 0, 1, 2
 KINDS = {torch.bfloat16: BF16, torch.float16: FP16}
 HEADER_WORDS, SEGMENT_WORDS = 4, 8
 # wire bytes / bytes of large Hugging Face-initialized tensors (normal, std 0.02), measured with this
-# codec (tests/test_codec.py); trained weights have a similar exponent entropy (DESIGN.md)
+# codec (tests/wire/test_codec.py); trained weights have a similar exponent entropy (DESIGN.md)
 TYPICAL_RATIO = {BF16: 0.712, FP16: 0.918}
 _L = 0x0001000100010001  # one in every 16-bit lane of an int64 word
 _FF = 0x00FF * _L

@@ -164,11 +164,11 @@ def test_a_tensor_at_an_unaligned_offset_is_refused():
 
 
 def _interpreted(check: str) -> None:
-    """Run `check` of tests/interpreted_codec.py in a fresh Python with TRITON_INTERPRET=1: Triton's
+    """Run `check` of tests/wire/interpreted_codec.py in a fresh Python with TRITON_INTERPRET=1: Triton's
     interpreter runs the GPU decoder's own code on the CPU (Triton reads the variable when it is first
     imported, and this process imported it already for torch.compile)."""
     here = os.path.dirname(os.path.abspath(__file__))
-    path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
+    path = os.pathsep.join(p for p in (here, os.path.dirname(here), os.environ.get("PYTHONPATH")) if p)
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
     run = subprocess.run([sys.executable, "-c", f"import interpreted_codec; interpreted_codec.{check}()"],
                          env=env, capture_output=True, text=True, timeout=900)

@@ -388,13 +388,14 @@ def test_the_cpu_offload_tests_pass_under_check_mode():
     """Every offload in these test files runs with the check after every block: any path that writes
     streamed memory fails them. Their compiled cases are left out (the same engine calls, minutes of
     compiling on a CPU), except the drawn ones here."""
-    here = os.path.dirname(__file__)
-    files = ["test_offload.py", "test_call_orders.py", "test_written_tensors.py"]
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    files = ["tests/test_offload.py", "tests/engine/test_call_orders.py",
+             "tests/engine/test_written_tensors.py"]
     env = dict(os.environ, WEIGHTSTREAM_CHECK="1")
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
                           "-k", "not compile and not under_check_mode and not without_check_mode",
-                          *[os.path.join(here, f) for f in files]],
-                         env=env, capture_output=True, text=True, cwd=os.path.dirname(here))
+                          *[os.path.join(root, f) for f in files]],
+                         env=env, capture_output=True, text=True, cwd=root)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
 
 

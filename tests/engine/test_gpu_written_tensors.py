@@ -1,5 +1,5 @@
 """Tensors a model writes, weights edited in place, hooks that read weights and the check mode on a real
-GPU (tests/test_written_tensors.py on the CPU backend): copies on a side stream make a lost write show
+GPU (tests/engine/test_written_tensors.py on the CPU backend): copies on a side stream make a lost write show
 differently, so each behaviour runs here too, with placements forced (every block streams)."""
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ import pytest
 
 from weightstream.bench import schema
 
-RESULTS = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results")
+RESULTS = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "results")
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,7 @@ import pytest
 from weightstream.bench import cli
 from weightstream.bench.index import FOLDER_RE, folder_errors, index_text
 
-ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 INDEX = os.path.join(RESULTS, "INDEX.md")
 

@@ -42,7 +42,7 @@ def test_benchmarks_md_from_stored_results(bench_stored, tmp_path):
 
 def test_recorded_h200_results_are_valid_and_render():
     """The committed result files pass the schema and go into the page (notes included)."""
-    results = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results")
+    results = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "results")
     paths = sorted(glob.glob(os.path.join(results, "*", "suite_*.json")))
     assert paths, "no recorded suite results"
     text = report.markdown_table(load_results(paths))
@@ -58,7 +58,7 @@ def test_the_committed_page_is_what_the_recorded_results_give(tmp_path):
     """docs/benchmarks.md is exactly what `--report benchmarks/results --index ...` writes from the result
     documents there (run from the repository root, as benchmarks/README.md says; the images as the page
     links them)."""
-    root = os.path.join(os.path.dirname(__file__), "..")
+    root = os.path.join(os.path.dirname(__file__), "..", "..")
     with open(os.path.join(root, "docs", "benchmarks.md")) as f:
         committed = f.read()
     linked = re.findall(r"!\[[^]]*\]\(([^)]+)\)", committed)

@@ -1,7 +1,7 @@
 """Quantized weights on a real GPU: torchao int8 / float8 / int4 (tinygemm-packed) weight-only tensors and
 plain fp8 + block scales stream exactly eager, compiled and in a CUDA graph; their bytes leave the GPU.
 
-Run with `pytest -m gpu tests/test_gpu_quant.py` on a CUDA machine (torchao optional: its tests skip).
+Run with `pytest -m gpu tests/formats/test_gpu_quant.py` on a CUDA machine (torchao optional: its tests skip).
 """
 
 from __future__ import annotations

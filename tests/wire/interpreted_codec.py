@@ -1,5 +1,5 @@
 """The GPU decoder's own code (`codec_triton`) run by Triton's interpreter on the CPU, against the
-reference decoder. Run only in a Python started with TRITON_INTERPRET=1 (tests/test_codec.py does)."""
+reference decoder. Run only in a Python started with TRITON_INTERPRET=1 (tests/wire/test_codec.py does)."""
 
 from __future__ import annotations
 
