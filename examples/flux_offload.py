@@ -2,7 +2,8 @@
 GPU budget with weightstream, generate one image and print the milliseconds of each denoising step.
 
 The pipeline is built from the published configs (`weightstream.bench.flux_pipeline`) with RANDOM
-weights (nothing is downloaded) and in-memory word-level tokenizers, so the image is noise: the point is the memory and the step time.
+weights (nothing is downloaded) and in-memory word-level tokenizers, so the image is noise: the point
+is the memory and the step time.
 With real weights, replace `build_pipeline` by `FluxPipeline.from_pretrained(...,
 torch_dtype=torch.bfloat16)`; the two lines that matter stay the same:
 
