@@ -53,7 +53,7 @@ flux-compiled)  # fullgraph compile of the resident and the offloaded transforme
     bench flux-dev-transformer_compiled ${COMPILED_SECONDS:-200} --shape flux-dev-transformer \
         --budgets ${COMPILED_BUDGETS:-12GiB} --modes compiled --methods resident,ws-auto --reps 5 \
         --method-seconds 200 --emulate-precision-casts ;;
-wan-compiled)  # the same for Wan 2.1 14B at 25%: about 5 minutes on an H100 (session 33)
+wan-compiled)  # the same for Wan 2.1 14B at 25%: about 5 minutes on an H100 (2026-12-05)
     bench wan2.1-14b_compiled ${COMPILED_SECONDS:-400} --shape wan2.1-14b --budgets 0.25 --modes compiled \
         --methods resident,ws-auto --reps 3 --method-seconds 250 --emulate-precision-casts ;;
 pipeline)
@@ -67,7 +67,7 @@ decoder)
     python3 -m weightstream bench --kind codec --warps 2,4,8,16 --out "$OUT/codec_group.json" 2>&1 \
         | tee "$OUT/codec_group.log" ;;
 flux-timeline)  # the 12 GiB step and the resident step profiled in one run (the bench keeps both
-    # timelines since session 31): are the gaps between kernels the offloaded step's own? Each also
+    # timelines since 2026-12-05): are the gaps between kernels the offloaded step's own? Each also
     # replayed from a CUDA graph of the eager step (graph-eager): a graph's launches do not go through
     # the host's command stream one by one, so if the link's traffic slows each launch, the offloaded
     # step's graph gains more over its eager step than the resident one does. About 2 minutes

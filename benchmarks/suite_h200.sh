@@ -40,7 +40,7 @@ plan)  # the planner against measurement (docs/planner.md): no compile, decode r
     python3 -m weightstream bench --bound "$OUT/suite_llama-3-8b_plan.json" > "$OUT/plan_llama-3-8b.md"
     python3 -m weightstream bench --report "$OUT/suite_llama-3-8b_plan.json" --md "$OUT/plan_page.md" \
         --png-dir "$OUT/plan_png" || echo "the plot failed (matplotlib missing?): the JSON is written" ;;
-llama-loop)  # session 29's prefetch across forwards: 8B decode streamed, zero copy and auto, at 25% and at
+llama-loop)  # the prefetch across forwards (2026-12-05): 8B decode streamed, zero copy and auto, at 25% and at
     # 97% (zero copy reads two blocks; auto now streams three through one slot: 24.3 ms predicted against
     # zero copy's 24.6, the planner's claim to check), timelines kept
     bench llama-3-8b_loop ${MAX_SECONDS:-420} --shape llama-3-8b --budgets 0.25,0.97 --phases decode-b1 \

@@ -81,7 +81,9 @@ def test_arguments_beside_a_config_are_refused_saying_where_they_go():
     with pytest.raises(ArgumentError, match="tokens given beside an OffloadConfig"):
         ws.from_pretrained("/nonexistent", config, tokens=8)
     # a field set to its default value is not "given"
-    assert ws.offload(model, config, strategy="auto").config == config
+    handle = ws.offload(model, config, strategy="auto")
+    assert handle.config == config
+    handle.restore()
 
 
 def test_from_pretrained_and_the_pipeline_path_take_a_config(tmp_path):
@@ -95,6 +97,8 @@ def test_from_pretrained_and_the_pipeline_path_take_a_config(tmp_path):
     ids = torch.randint(0, ref.config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert torch.equal(model(ids).logits, ref(ids).logits)
+    ws.handle_of(model).restore()
+    ws.handle_of(plain).restore()
     with pytest.raises(ArgumentError, match="tokens"):  # a pipeline plans each component's tokens
         ws.offload(_FakePipeline(), ws.OffloadConfig("1GiB", device="cpu", tokens=8))
 

@@ -15,32 +15,15 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import ArgumentError, WeightstreamError
+from .devices import resolve_device
+from .errors import ArgumentError
 from .placement.plan import STRATEGIES, Placement
 from .placement.probe import MachineProfile
 from .sizes import parse_size
 
 CHECK_ENV = "WEIGHTSTREAM_CHECK"
 
-
-def resolve_device(device: str | torch.device | None, index: bool = True) -> torch.device:
-    """`device` as a `torch.device` (with `index`, a CUDA device gets the current one's index where it
-    names none): None means cuda where available, else cpu."""
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        device = torch.device(device)
-    except (RuntimeError, TypeError, ValueError):
-        raise ArgumentError(f"device={device!r}: give 'cuda', 'cuda:N' or 'cpu'") from None
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise WeightstreamError(
-                f"device={device} asked for, but CUDA is not available here: use device='cpu'")
-        if device.index is None and index:
-            device = torch.device("cuda", torch.cuda.current_device())
-    elif device.type != "cpu":
-        raise ArgumentError(f"device={device}: weightstream supports 'cuda' and 'cpu'")
-    return device
+__all__ = ["CHECK_ENV", "DEFAULTS", "OffloadConfig", "config_of"]
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from .config import resolve_device
+from .devices import resolve_device
 from .errors import ArgumentError, BudgetError
 from .offload import offload
 from .placement.prepare import prepare

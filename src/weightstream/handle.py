@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .config import OffloadConfig, resolve_device
+from .config import OffloadConfig
+from .devices import resolve_device
 from .engine import guards
 from .engine.engine import StreamEngine
 from .engine.host import HostArena

@@ -28,7 +28,7 @@ import sys
 
 import torch
 
-from ..config import resolve_device
+from ..devices import resolve_device
 from ..errors import ArgumentError, WeightstreamError
 from ..usage import USAGE_ERROR, OneLineParser
 from . import kinds

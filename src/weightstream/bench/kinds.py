@@ -23,6 +23,7 @@ import shlex
 
 import torch
 
+from ..devices import resolve_device
 from ..errors import ArgumentError
 from ..sizes import parse_size
 from . import methods as registry
@@ -146,7 +147,6 @@ def runs_nothing(args: argparse.Namespace) -> bool:
 def check_device(args: argparse.Namespace) -> torch.device:
     """The device of a non-suite kind; ArgumentError for CUDA asked for and absent, or a full-size shape
     without CUDA (the suite's own check is `bench/cli.py`'s `check_run`)."""
-    from ..config import resolve_device
 
     if (args.device or "").startswith("cuda") and not torch.cuda.is_available():
         raise ArgumentError(f"--device {args.device}: CUDA is not available here; use --device cpu with a "
@@ -292,7 +292,7 @@ def check_suite(args: argparse.Namespace) -> None:
     shape = get_shape(args.shape)
     for name in args.phases:
         check_phase(shape, parse_phase(name))
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = resolve_device(args.device, index=False)
     check_shape(shape, device)
     if args.profile and os.path.exists(args.profile) and not os.path.isdir(args.profile):
         raise ArgumentError(f"--profile {args.profile}: give a folder for the traces, not a file")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import warnings
+import weakref
 from typing import TYPE_CHECKING
 
 import torch
@@ -71,7 +72,8 @@ class StreamEngine:
         self.check = check
         self.guards = None
         self.engine_id = ops.register(self)
-        replay.install()  # the process-wide patch; the last engine closed takes it off
+        replay.install()  # the process-wide patch; the last engine closed or dropped takes it off
+        weakref.finalize(self, _take_off_hook)  # a model dropped without restore()
 
     # --- the schedule, called from the custom ops -------------------------------------------------
     def wait(self, group: int) -> None:
@@ -290,5 +292,10 @@ class StreamEngine:
         self.slots.clear()
         self.arena.close()
         ops.unregister(self.engine_id)
-        if not ops.engines():
-            replay.uninstall()
+        _take_off_hook()
+
+
+def _take_off_hook() -> None:
+    """Take the CUDA graph hook off where no engine is left (`replay.py`)."""
+    if not ops.engines():
+        replay.uninstall()

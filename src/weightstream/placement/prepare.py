@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..config import OffloadConfig, config_of, resolve_device
+from ..config import OffloadConfig, config_of
+from ..devices import resolve_device
 from ..engine.host import HostArena
 from ..engine.layout import Slice, pack
 from ..engine.streamed import _blocked_apply

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from ..devices import resolve_device
 from ..wire.codec import DECODER_VERSION
 from .timing import capture_graph, time_calls
 
@@ -291,7 +292,7 @@ def cached_profile(path: Path) -> MachineProfile | None:
 def load_profile(device: torch.device | str | None = None, refresh: bool = False) -> MachineProfile:
     """This GPU's profile from the cache, measured (and cached) when absent or when `refresh`. Without
     CUDA, the reference H200 profile."""
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = resolve_device(device, index=False)
     if device.type != "cuda":
         return H200
     path = cache_path(torch.cuda.get_device_name(device))
