@@ -527,3 +527,18 @@ def test_plan_of_a_diffusers_model_folder_and_from_pretrained_refusing_it(tmp_pa
     assert "predicted forward_64:" in capsys.readouterr().out
     with pytest.raises(CheckpointError, match="diffusers FluxTransformer2DModel config"):
         ws.from_pretrained(folder, gpu_memory=weights // 2, device="cpu")
+
+
+@pytest.mark.parametrize("strategy", ["stream", "uva", "auto"])
+def test_every_component_reports_the_strategy_it_was_asked_for(strategy):
+    pipe = tiny_flux_pipeline()
+    handle = ws.offload(pipe, gpu_memory=total_bytes(pipe) * 6 // 10, device="cpu", strategy=strategy)
+    try:
+        for name, component in handle.handles.items():
+            assert component.stats.requested_strategy == strategy, name
+            assert f"(asked for {strategy})" in str(component.stats)
+            # the CPU backend copies synchronously into CPU buffers: its stats say so
+            assert "synchronous copies" in str(component.stats) and "async" not in str(component.stats)
+            assert "slots" not in str(component.stats)
+    finally:
+        handle.restore()

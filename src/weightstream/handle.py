@@ -88,14 +88,17 @@ class OffloadStats:
         return self.wire_bytes / self.wire_raw_bytes if self.wire_raw_bytes else 1.0
 
     def __str__(self) -> str:
+        cuda = self.device.startswith("cuda")  # the CPU backend copies synchronously, into CPU buffers
         return (
             f"device {self.device}: resident {format_size(self.resident_bytes)}, "
             f"streamed {format_size(self.streamed_bytes)} in {self.groups} groups, "
             f"zero copy {format_size(self.uva_bytes)}, "
-            f"staging {format_size(self.staging_bytes)} in {self.slots} slots, "
+            f"staging {format_size(self.staging_bytes)} in {self.slots} "
+            f"{'slots' if cuda else 'staging buffers'}, "
             f"pinned {format_size(self.pinned_bytes)}, read from disk {format_size(self.disk_wire_bytes)} "
             f"of {format_size(self.disk_bytes)}; "
-            f"{self.copies} async copies, {self.prologues} pass prologues, {self.misses} misses "
+            f"{self.copies} {'async' if cuda else 'synchronous'} copies, {self.prologues} pass prologues, "
+            f"{self.misses} misses "
             f"({self.misses_last_pass} in the last pass); placement {self.placement_kind} "
             f"(asked for {self.requested_strategy}); "
             f"wire {format_size(self.wire_bytes)} of {format_size(self.wire_raw_bytes)} "

@@ -95,11 +95,12 @@ def front(cost: ModelCost, tokens: int, profile: MachineProfile, strategy: str,
     coded = bool(cost.tensor_wire) and compress is not False
     points = []
     for s, u, k, part in _candidates(n, strategy, 2, max_part):
-        forms = [placement_of(cost, s, k, u, part, tokens, profile, compressed=True, landing_buffers=b)
+        forms = [placement_of(cost, s, k, u, part, tokens, profile, strategy=strategy, compressed=True,
+                              landing_buffers=b)
                  for b in landing_options(k, len(s))] if coded and s else []
         forms = [p for p in forms if p is not None]
         if not forms or compress is not True:
-            forms.append(placement_of(cost, s, k, u, part, tokens, profile))
+            forms.append(placement_of(cost, s, k, u, part, tokens, profile, strategy=strategy))
         points += forms
     calls = max(calls, 1)
     points.sort(key=lambda p: (p.gpu_bytes, p.prediction.calls_ms(calls)))
