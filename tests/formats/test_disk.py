@@ -3,10 +3,10 @@
 import torch
 from safetensors.torch import save_file
 
-from weightstream.engine.layout import pack
 from weightstream.formats.checkpoint import read_index
 from weightstream.formats.disk import DiskPrefetcher, DiskTier
 from weightstream.formats.diskcache import DiskCache
+from weightstream.placement.layout import pack
 
 
 class Done:  # stands in for a CUDA event that has already fired

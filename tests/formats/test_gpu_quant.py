@@ -16,10 +16,10 @@ from torch import nn
 
 import weightstream as ws
 from weightstream.engine.guards import live_parameters
-from weightstream.engine.layout import align_up
 from weightstream.formats import fp8, subclass
 from weightstream.placement.blocks import find_blocks
 from weightstream.placement.entries import _collect
+from weightstream.placement.layout import align_up
 
 pytestmark = pytest.mark.gpu
 

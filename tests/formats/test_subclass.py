@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 from torch import nn
 
 import weightstream as ws
-from weightstream.engine.layout import ALIGN
 from weightstream.formats import fp8, subclass
 from weightstream.placement.entries import _collect
+from weightstream.placement.layout import ALIGN
 
 
 def stored_bytes(model) -> int:

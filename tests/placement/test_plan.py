@@ -6,9 +6,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from weightstream.engine.layout import pack
 from weightstream.errors import ArgumentError, BudgetError, WeightstreamError
 from weightstream.placement.cost import ModelCost
+from weightstream.placement.layout import pack
 from weightstream.placement.plan import host_need, plan, spread
 from weightstream.placement.probe import H200
 

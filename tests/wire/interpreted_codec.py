@@ -10,7 +10,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from test_codec import hf_init, tensors
 
-from weightstream.engine.layout import pack
+from weightstream.placement.layout import pack
 from weightstream.wire import codec
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "start this Python with TRITON_INTERPRET=1"

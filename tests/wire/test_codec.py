@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from weightstream.engine.layout import pack
+from weightstream.placement.layout import pack
 from weightstream.wire import codec
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.int8, torch.int64, torch.uint8,

@@ -17,7 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from ..engine.layout import Slice
+from ..placement.layout import Slice
 from .checkpoint import StoredTensor, read_into
 from .diskcache import DiskCache
 

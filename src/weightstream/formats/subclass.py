@@ -17,8 +17,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from ..engine.layout import pack
 from ..errors import UnsupportedTensorError
+from ..placement.layout import pack
 
 _PLAIN = (torch.Tensor, nn.Parameter)
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from ..engine.layout import pack
+from .layout import pack
 from .probe import MachineProfile
 
 

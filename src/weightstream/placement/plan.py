@@ -16,10 +16,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..engine.layout import align_up
 from ..errors import ArgumentError, BudgetError
 from ..sizes import format_size
 from .cost import ModelCost, Prediction, predict
+from .layout import align_up
 from .probe import MachineProfile
 
 STRATEGIES = ("auto", "stream", "uva")

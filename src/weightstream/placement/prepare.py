@@ -15,14 +15,13 @@ from torch import nn
 from ..config import OffloadConfig, config_of
 from ..devices import resolve_device
 from ..engine.host import HostArena
-from ..engine.layout import Slice, pack
-from ..engine.streamed import _blocked_apply
 from ..errors import ArgumentError, OffloadStateError
 from ..sizes import format_size
 from ..wire.codec import choose
 from .blocks import find_blocks
 from .cost import ModelCost, largest
 from .entries import Entry, _collect
+from .layout import Slice, pack
 from .plan import Placement, plan
 from .probe import MachineProfile, load_profile
 
@@ -86,7 +85,7 @@ def _check_model(model: nn.Module, blocks, entries: list[Entry], allow_meta: boo
     """Refuse a model weightstream cannot offload as it is: offloaded already, managed by another
     offloader, a repeated block (of `blocks`) whose forward is replaced on the module, or (unless
     `allow_meta`) weights on the meta device."""
-    if any(getattr(m.__dict__.get("_apply"), "__func__", None) is _blocked_apply for m in model.modules()):
+    if any("_ws_guards" in m.__dict__ for m in model.modules()):  # engine/guards.py marks every module
         raise OffloadStateError(
             "this model (or a submodule) is already offloaded: call handle.restore() before offloading again"
         )

@@ -265,7 +265,7 @@ def encode_group(tensors: list[tuple[torch.Tensor, int]], raw_bytes: int,
     for tensor, dst in tensors:
         if dst % _ALIGN:  # the GPU decoder writes whole aligned words (layout.pack aligns to 256)
             raise ValueError(f"a tensor at byte {dst} of its group: the codec needs offsets that are "
-                             f"multiples of {_ALIGN} (place tensors with weightstream.engine.layout.pack)")
+                             f"multiples of {_ALIGN} (place tensors with weightstream.placement.layout.pack)")
         if device is not None and tensor.dtype in KINDS:
             tensor = tensor.to(device)
         coding = choose(tensor)

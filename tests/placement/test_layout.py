@@ -1,7 +1,7 @@
 from hypothesis import given
 from hypothesis import strategies as st
 
-from weightstream.engine.layout import ALIGN, align_up, pack
+from weightstream.placement.layout import ALIGN, align_up, pack
 
 
 @given(st.lists(st.integers(min_value=1, max_value=10**7), max_size=40))
