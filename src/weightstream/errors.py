@@ -38,5 +38,10 @@ class PinnedMemoryError(WeightstreamError):
     """Page-locking host memory failed (container memlock limit, WSL...)."""
 
 
+class HostMemoryError(WeightstreamError, MemoryError):
+    """The host memory the offloaded weights need is more than this machine has available (checked
+    before anything is allocated; the message gives both figures and the ways out)."""
+
+
 class UnsupportedTensorError(WeightstreamError):
     """A weight whose type weightstream cannot stream exactly (named, with what to use instead)."""

@@ -80,3 +80,41 @@ def test_a_dropped_pinned_arena_is_unregistered_once(monkeypatch):
         host.capture_ended()
         replay.notify()  # the capture's end
         assert [c[0] for c in calls] == ["register", "synchronize", "unregister"]
+
+
+def test_available_host_memory_is_read_from_meminfo(tmp_path, monkeypatch):
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       16384 kB\nMemFree:         1024 kB\nMemAvailable:    2048 kB\n")
+    monkeypatch.setattr(host, "MEMINFO", str(meminfo))
+    assert host.available_host_bytes() == 2048 * 1024
+    monkeypatch.setattr(host, "MEMINFO", str(tmp_path / "absent"))
+    assert host.available_host_bytes() is None  # unknown: nothing is checked
+    HostArena([10**6], pin=False).close()
+
+
+def test_host_memory_that_is_not_available_is_refused_before_anything_moves(tmp_path, monkeypatch):
+    """Offload and from_pretrained check the host memory the streamed groups need before allocating
+    it, and say how much and what to do; the model is untouched and still runs as before."""
+    import pytest
+    from conftest import make_model, weight_bytes
+
+    import weightstream as ws
+
+    model = make_model("llama", 0)
+    reference = {k: v.clone() for k, v in model.state_dict().items()}
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemAvailable:      64 kB\n")  # far less than the streamed blocks
+    monkeypatch.setattr(host, "MEMINFO", str(meminfo))
+    with pytest.raises(ws.HostMemoryError, match=r"need .* of host memory, but 64.00 KiB is available: "
+                                                 r"give more of the model to the GPU .*cpu_memory"):
+        ws.offload(model, gpu_memory=weight_bytes(model) // 2, device="cpu", strategy="stream")
+    assert all(torch.equal(v, reference[k]) for k, v in model.state_dict().items())
+    assert getattr(model, "_weightstream_handle", None) is None
+    model.save_pretrained(tmp_path / "ckpt")
+    with pytest.raises(ws.HostMemoryError, match="cpu_memory"):
+        ws.from_pretrained(tmp_path / "ckpt", weight_bytes(model) // 2, device="cpu", strategy="stream",
+                           progress=False)
+    monkeypatch.undo()
+    handle = ws.offload(model, gpu_memory=weight_bytes(model) // 2, device="cpu", strategy="stream")
+    assert handle.stats.streamed_bytes > 0
+    handle.restore()

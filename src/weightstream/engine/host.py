@@ -12,10 +12,34 @@ import weakref
 
 import torch
 
-from ..errors import PinnedMemoryError
+from ..errors import HostMemoryError, PinnedMemoryError
 from ..sizes import format_size
 
 _PAGE = 4096
+MEMINFO = "/proc/meminfo"
+
+
+def available_host_bytes() -> int | None:
+    """The host memory available to allocate now (Linux's MemAvailable), or None where it cannot be
+    read (then nothing is checked)."""
+    try:
+        with open(MEMINFO) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def check_host_memory(nbytes: int, what: str) -> None:
+    """Refuse, before allocating, `nbytes` of host memory that is not available; `what` says what
+    the bytes are for and how else to place them."""
+    available = available_host_bytes()
+    if available is not None and nbytes > available:
+        raise HostMemoryError(
+            f"the offloaded weights need {format_size(nbytes)} of host memory, but {format_size(available)} "
+            f"is available: {what}")
 
 
 class HostArena:
@@ -30,6 +54,9 @@ class HostArena:
         self.offsets = [sum(group_bytes[:i]) for i in range(len(group_bytes))]
         self.group_bytes = list(group_bytes)
         self.nbytes = sum(group_bytes)
+        check_host_memory(self.nbytes + _PAGE, "give more of the model to the GPU (a larger gpu_memory), "
+                          "load it with weightstream.from_pretrained(..., cpu_memory=...) to leave streamed "
+                          "groups in their files, or free host memory")
         self._raw = torch.empty(self.nbytes + _PAGE, dtype=torch.uint8)
         start = (-self._raw.data_ptr()) % _PAGE  # groups start page-aligned
         self.buffer = self._raw[start : start + self.nbytes]
