@@ -25,6 +25,7 @@ import torch
 
 import weightstream as ws
 from weightstream.bench.flux_pipeline import build_pipeline, configs  # FLUX.1-dev from its configs
+from weightstream.engine.host import available_host_bytes
 from weightstream.pipeline import offload_pipeline
 
 
@@ -42,6 +43,24 @@ def generate(pipe, args, device: torch.device) -> tuple[torch.Tensor, list[float
                guidance_scale=3.5, max_sequence_length=configs(args.tiny)["t5_tokens"], output_type="pt",
                generator=torch.Generator().manual_seed(args.seed), callback_on_step_end=on_step_end)
     return out.images, [(b - a) * 1e3 for a, b in zip(marks, marks[1:], strict=False)]
+
+
+def need_what_it_takes(tiny: bool, device: torch.device) -> bool:
+    """Check, before building anything, what this run needs: a CUDA GPU for the full-size pipeline,
+    and host memory for its weights (built on the CPU first); say what is missing and the way out."""
+    if not tiny and device.type != "cuda":
+        print("the full-size FLUX.1-dev pipeline needs a CUDA GPU (one step on a CPU takes hours): run "
+              "with --tiny --device cpu to see it work anywhere")
+        return False
+    meta = build_pipeline(tiny, device="meta")  # sizes only: nothing allocated
+    need = sum(t.numel() * t.element_size() for m in meta.components.values()
+               if isinstance(m, torch.nn.Module) for t in m.state_dict().values())
+    available = available_host_bytes()
+    if available is not None and need > available:
+        print(f"the pipeline's weights need {ws.format_size(need)} of host memory to build, but "
+              f"{ws.format_size(available)} is available: free memory, or run with --tiny")
+        return False
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     args.steps = args.steps or (2 if args.tiny else 28)
     args.size = args.size or (16 if args.tiny else 1024)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if not need_what_it_takes(args.tiny, device):
+        return 2
 
     print("random weights (nothing downloaded): the image will be noise")
     pipe = build_pipeline(args.tiny, args.seed)

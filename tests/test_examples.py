@@ -28,3 +28,13 @@ def test_flux_example_tiny_mode_runs_and_matches_the_resident_pipeline(tmp_path)
     assert "transformer (x2 per generation)" in out  # planned for the 2 steps it runs
     assert "identical to the resident pipeline's image" in out
     assert image.stat().st_size > 0
+
+
+def test_flux_example_says_what_it_needs_before_building_anything():
+    """Full size without CUDA: refused at once, before anything is built, with the way out (exit 2)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    command = [sys.executable, str(ROOT / "examples" / "flux_offload.py"), "--device", "cpu"]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "needs a CUDA GPU" in result.stdout and "--tiny --device cpu" in result.stdout
+    assert "random weights" not in result.stdout  # nothing was built
