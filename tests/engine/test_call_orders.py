@@ -1,7 +1,7 @@
 """Exact under every call order: a fuzzer over whole, partial and out-of-order forwards, single blocks,
 repeated blocks, blocks that raise, simulated CUDA graph replays and threads, on random placements.
 
-The CPU backend runs the real schedule (the same `OffloadHandle.wait/release` the GPU runs). A
+The CPU backend runs the real schedule (the same `StreamEngine.wait/release` the GPU runs). A
 simulated replay does what a real one does to the engine: the slots' bytes change behind the host's
 back, and `replay.notify()` runs (a real replay calls it through the wrapped `CUDAGraph.replay`).
 """

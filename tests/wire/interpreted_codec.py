@@ -1,4 +1,4 @@
-"""The GPU decoder's own code (`codec_triton`) run by Triton's interpreter on the CPU, against the
+"""The GPU decoder's own code (`wire/triton_decoder.py`) run by Triton's interpreter on the CPU, against the
 reference decoder. Run only in a Python started with TRITON_INTERPRET=1 (tests/wire/test_codec.py does)."""
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ def _cuda_device_of(obj) -> torch.device | None:
     return next((t.device for t in [*obj.parameters(), *obj.buffers()] if t.device.type == "cuda"), None)
 
 
-DECODE_KERNEL = "_decode_kernel"  # codec_triton's kernel: its launches are named after it
+DECODE_KERNEL = "_decode_kernel"  # wire/triton_decoder.py's kernel: its launches are named after it
 
 
 def row_of(name: str) -> str:

@@ -45,8 +45,8 @@ class MachineProfile:
     # tokens -> a dequantizing GEMM's time (fp8 weight with block scales, dequantized then multiplied)
     # over the bf16 GEMM of the same weights ({}: DEQUANT_DEFAULT)
     dequant: dict[int, float] = field(default_factory=dict)
-    # GPU decode of compressed groups (codec_triton), seconds per decoded byte; the default (300 GB/s)
-    # stands in where it was not measured
+    # GPU decode of compressed groups (wire/triton_decoder.py), seconds per decoded byte; the default
+    # (300 GB/s) stands in where it was not measured
     decode_s_per_byte: float = 1 / 300e9
     # the decoder generation (codec.DECODER_VERSION) that decode rate was measured with; "": not measured
     decoder: str = ""

@@ -13,7 +13,7 @@ other dtypes, and tensors whose coding would not pay (over MAX_RATIO of their by
 docs/compression.md for the layout and why it was chosen.
 
 Everything here is pure torch and runs on any device: the CPU reference decoder checks the GPU
-kernel (`codec_triton.py`) bit for bit.
+kernel (`triton_decoder.py`) bit for bit.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-# The GPU decoder's generation (codec_triton): a profile's decode rate counts only when measured with
+# The GPU decoder's generation (triton_decoder.py): a profile's decode rate counts only when measured with
 # this one; bump it whenever the kernel's speed changes, so cached profiles are measured again.
 # 2: 2026-12-04 (code per kind and code width, vectorized; about 2.2x the first).
 DECODER_VERSION = "2"
