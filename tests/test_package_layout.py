@@ -28,17 +28,13 @@ def _modules() -> dict[str, Path]:
 
 
 def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
-    """The package's modules that `name` imports, at any depth of its code (a function's import
-    included), except under `if TYPE_CHECKING:`. `from . import x` imports the module x, not the
-    package."""
+    """The package's modules that `name` imports, at any depth of its code (a function's import and
+    one under `if TYPE_CHECKING:` included: a circle of annotations is a circle of ideas too).
+    `from . import x` imports the module x, not the package."""
     tree = ast.parse(path.read_text())
     package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
-    skipped = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
-               and "TYPE_CHECKING" in ast.unparse(node.test) for n in ast.walk(node)}
     found = set()
     for node in ast.walk(tree):
-        if id(node) in skipped:
-            continue
         if isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")[: len(package.split(".")) - node.level + 1]
