@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import weightstream as ws
-from weightstream.engine import ops, replay
+from weightstream.engine import engine, ops, replay
 
 PACKAGE = Path(ws.__file__).resolve().parent
 
@@ -90,25 +90,30 @@ def test_no_module_of_the_package_imports_itself_back_in_a_circle():
     assert circle is None, "import circle: " + " -> ".join(circle)
 
 
-def test_the_cuda_graph_hook_is_installed_while_a_model_is_offloaded_and_gone_after_the_last_restore():
+def test_the_process_wide_hooks_are_installed_while_a_model_is_offloaded_and_gone_after_the_last_restore():
+    """The CUDA graph hook and the module-registration hook: installed by the first engine, taken off by the
+    last one restored or dropped, torch as it was."""
     gc.collect()  # models of earlier tests dropped without restore: their engines go, and the hook with them
     graph = torch.cuda.CUDAGraph
-    assert not ops.engines() and not replay.installed()
+    assert not ops.engines() and not engine.process_hooks_installed()
+    registration = dict(nn.modules.module._global_module_registration_hooks)
     before = {name: getattr(graph, name) for name in ("capture_begin", "capture_end", "replay")}
     models = [nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)]) for _ in range(2)]
     handles = [ws.offload(m, gpu_memory=8 * 8 * 4 * 3, device="cpu", blocks=[""], strategy="stream")
                for m in models]
-    assert replay.installed()
+    assert replay.installed() and engine.process_hooks_installed()
     assert all(getattr(graph, name) is not method for name, method in before.items())
+    assert len(nn.modules.module._global_module_registration_hooks) == len(registration) + 1
     handles[0].restore()
     assert replay.installed()  # the other model is still offloaded
     handles[1].restore()
-    assert not replay.installed()
+    assert not engine.process_hooks_installed()
     assert {name: getattr(graph, name) for name in before} == before
+    assert dict(nn.modules.module._global_module_registration_hooks) == registration
     # a model dropped without restore takes the hook with it
     dropped = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
     ws.offload(dropped, gpu_memory=8 * 8 * 4 * 3, device="cpu", blocks=[""], strategy="stream")
     assert replay.installed()
     del dropped
     gc.collect()
-    assert not ops.engines() and not replay.installed()
+    assert not ops.engines() and not engine.process_hooks_installed()

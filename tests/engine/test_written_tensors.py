@@ -279,6 +279,68 @@ def test_diffusers_fuse_and_unfuse_lora_inside_edit_match_the_resident_pipeline(
     assert handle.handles["transformer"].stats.streamed_bytes > 0
 
 
+def test_lora_loaded_after_offload_is_exact_and_fusing_it_outside_edit_is_refused():
+    """diffusers' load_lora_weights / set_adapters / fuse_lora / unload_lora_weights on an offloaded
+    pipeline, against the resident pipeline doing the same: unfused adapters run exactly as they are
+    (their weights are new, resident tensors; the base weights stream); a fuse outside `edit()` (PEFT
+    writes the base weights through `.data`) is refused at the next forward, inside it is exact."""
+    from peft import LoraConfig
+    from peft.utils import get_peft_model_state_dict
+    from test_pipeline import generate, tiny_flux_pipeline, total_bytes
+
+    source = tiny_flux_pipeline()
+    torch.manual_seed(1)
+    source.transformer.add_adapter(LoraConfig(r=4, target_modules=["to_q", "to_k", "to_v"],
+                                              init_lora_weights=False))
+    lora = {"transformer." + k: v.clone() for k, v in get_peft_model_state_dict(source.transformer).items()}
+    ref, pipe = tiny_flux_pipeline(), tiny_flux_pipeline()
+    handle = ws.offload(pipe, gpu_memory=total_bytes(pipe) // 2, device="cpu", strategy="stream")
+    assert handle.handles["transformer"].stats.streamed_bytes > 0
+    base = generate(ref)
+    for p in (ref, pipe):
+        p.load_lora_weights(dict(lora), adapter_name="style")
+    expected = generate(ref)
+    assert not torch.equal(expected, base) and torch.equal(generate(pipe), expected)
+    for p in (ref, pipe):
+        p.set_adapters(["style"], adapter_weights=[0.3])
+    assert torch.equal(generate(pipe), generate(ref))
+    pipe.fuse_lora(components=["transformer"])
+    with pytest.raises(ws.OffloadStateError, match="PEFT adapters were merged.*handle.edit"):
+        generate(pipe)
+    pipe.unfuse_lora(components=["transformer"])
+    with handle.edit():
+        pipe.fuse_lora(components=["transformer"])
+    ref.fuse_lora(components=["transformer"])
+    assert torch.equal(generate(pipe), generate(ref))
+    with handle.edit():
+        pipe.unfuse_lora(components=["transformer"])
+        pipe.unload_lora_weights()
+    ref.unfuse_lora(components=["transformer"])
+    ref.unload_lora_weights()
+    assert torch.equal(generate(pipe), generate(ref))
+    assert handle.handles["transformer"].stats.streamed_bytes > 0
+    handle.restore()
+
+
+def test_a_state_dict_of_streamed_weights_is_refused_and_one_of_other_tensors_loads():
+    ref = chain(Plain)
+    model = copy.deepcopy(ref)
+    cost = prepare(model, gpu_memory=2**40, device="cpu").cost
+    placement = placement_of(cost, (0, 1, 2), 1)  # block 3 stays resident
+    handle = ws.offload(model, gpu_memory=placement.gpu_bytes, device="cpu", placement=placement)
+    refused = r"would write layers\.0\.lin\.weight and 5 more.*handle\.edit"
+    with pytest.raises(ws.OffloadStateError, match=refused):
+        model.load_state_dict(ref.state_dict())
+    extra = {"layers.3.lin.weight": torch.full_like(ref.layers[3].lin.weight, 0.01)}  # resident: loads
+    model.load_state_dict(extra, strict=False)
+    ref.load_state_dict(extra, strict=False)
+    x = torch.randn(3, D)
+    with torch.no_grad():
+        assert torch.equal(model(x), ref(x))
+    assert same_state(model, ref)
+    handle.restore()
+
+
 # --- hooks that read weights ----------------------------------------------------------------------------
 def weight_reader(log: list, kind: str):
     def read(module, *args):

@@ -72,8 +72,8 @@ class StreamEngine:
         self.check = check
         self.guards = None
         self.engine_id = ops.register(self)
-        replay.install()  # the process-wide patch; the last engine closed or dropped takes it off
-        weakref.finalize(self, _take_off_hook)  # a model dropped without restore()
+        _install_process_hooks()  # the last engine closed or dropped takes them off
+        weakref.finalize(self, _take_off_process_hooks)  # a model dropped without restore()
 
     # --- the schedule, called from the custom ops -------------------------------------------------
     def wait(self, group: int) -> None:
@@ -292,10 +292,49 @@ class StreamEngine:
         self.slots.clear()
         self.arena.close()
         ops.unregister(self.engine_id)
-        _take_off_hook()
+        _take_off_process_hooks()
+
+    def adopt_modules(self, module: nn.Module) -> None:
+        """`module` was just registered inside the offloaded model (PEFT injecting LoRA layers after
+        offload, `load_lora_weights`): watch its tuner layers over streamed weights from now on, with the
+        adapters they have merged now, so a later merge (through `.data`) is refused as one from before."""
+        streamed = {id(e.tensor) for group in self.groups for e, _ in group}
+        for layer, merged in peft_layers(module, streamed).items():
+            self.peft.setdefault(layer, merged)
 
 
-def _take_off_hook() -> None:
-    """Take the CUDA graph hook off where no engine is left (`replay.py`)."""
+# The process-wide hooks, installed while any engine is open, in this one place: torch.cuda.CUDAGraph's
+# capture and replay (`replay.py`) and nn.Module's global submodule-registration hook (modules added
+# to an offloaded model are watched: `StreamEngine.adopt_modules`).
+_registration: torch.utils.hooks.RemovableHandle | None = None
+
+
+def _on_module_registered(parent, name: str, module):
+    """nn.Module's global registration hook: a submodule set on a module of an offloaded model."""
+    guards = parent.__dict__.get("_ws_guards") if isinstance(parent, nn.Module) else None
+    if guards is not None and isinstance(module, nn.Module):
+        guards.engine.adopt_modules(module)
+    return None
+
+
+def _install_process_hooks() -> None:
+    global _registration
+    replay.install()
+    if _registration is None:
+        _registration = nn.modules.module.register_module_module_registration_hook(_on_module_registered)
+
+
+def _take_off_process_hooks() -> None:
+    """Take the process-wide hooks off where no engine is left: after the last restore, torch is as it
+    was."""
+    global _registration
     if not ops.engines():
         replay.uninstall()
+        if _registration is not None:
+            _registration.remove()
+            _registration = None
+
+
+def process_hooks_installed() -> bool:
+    """Whether any process-wide hook of weightstream is installed now."""
+    return replay.installed() or _registration is not None

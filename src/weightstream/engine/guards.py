@@ -10,8 +10,8 @@ So, on every module of an offloaded model:
   memory itself lives as long as any view of it. `named_parameters()`/`parameters()`/
   `named_buffers()`/`buffers()` give the same in place of the slot views, except while torch.compile
   traces (the graph must read the slots);
-- `copy.deepcopy`, pickling (`torch.save(model)`) and `load_state_dict` refuse: they would copy or
-  overwrite slots;
+- `copy.deepcopy`, pickling (`torch.save(model)`) refuse, and so does `load_state_dict` of a tensor kept
+  off the GPU: they would copy or overwrite slots (a state dict of other tensors, LoRA adapters, loads);
 - `train()` and `requires_grad_(True)` refuse, and so does autograd through the schedule ops (a weight
   saved for backward would be overwritten by the next group's copy): inference only.
 `offload` turns gradients off and puts the model in eval mode itself; `restore` puts both back. All of
@@ -175,10 +175,21 @@ def _guarded_named_buffers(self, prefix: str = "", recurse: bool = True, remove_
 
 
 def _guarded_load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-    raise OffloadStateError(
-        f"{type(self).__name__} is offloaded by weightstream: load_state_dict would write into staging "
-        "buffers that the next copy overwrites. Call handle.restore() first, load, then offload again"
-    )
+    """Load as torch does where no key names a tensor kept off the GPU (LoRA adapters added after
+    offload, resident weights); refuse where one does: it would write into a staging buffer."""
+    guards = self.__dict__["_ws_guards"]
+    held = dict(nn.Module.named_parameters(self, remove_duplicate=False))
+    held.update(nn.Module.named_buffers(self, remove_duplicate=False))
+    off_gpu = [key for key in state_dict if key in held and id(held[key]) in guards._true]
+    if off_gpu:
+        raise OffloadStateError(
+            f"{type(self).__name__} is offloaded by weightstream: load_state_dict would write "
+            f"{off_gpu[0]}{f' and {len(off_gpu) - 1} more' if len(off_gpu) > 1 else ''} into staging buffers "
+            "that the next copy overwrites. Load them inside `with handle.edit():`, or call "
+            "handle.restore() first, load, then offload again (a state dict of other tensors, such as "
+            "LoRA adapters, loads as it is)"
+        )
+    return nn.Module.load_state_dict(self, state_dict, strict=strict, assign=assign)
 
 
 def _guarded_deepcopy(self, memo):
