@@ -17,7 +17,7 @@ from weightstream.errors import ArgumentError
 
 # each argument's values: (value, valid on the CPU backend)
 CHOICES = {
-    "gpu_memory": [(10**6, True), ("1MiB", True), ("lots", False), (-5, False)],
+    "gpu_memory": [(10**6, True), ("1MiB", True), ("lots", False), (-5, False), ("auto", False)],  # no GPU
     "device": [(None, True), ("cpu", True), ("tpu", False), (3.5, False)],
     "pin_memory": [(True, True), (False, True), ("no", False)],
     "strategy": [("auto", True), ("stream", True), ("uva", True), ("fast", False)],
@@ -122,3 +122,34 @@ def test_every_field_of_the_config_is_an_argument_of_offload():
 
     names = {f.name for f in dataclasses.fields(OffloadConfig)}
     assert names <= set(inspect.signature(ws.offload).parameters)
+
+
+def test_gpu_memory_auto_is_the_free_gpu_memory_minus_the_stated_headroom(monkeypatch):
+    """As on a GPU machine (CUDA's queries answered here): free memory minus max(2 GiB, 10%); the
+    default of offload, from_pretrained and the pipeline path; refused on the CPU backend."""
+    import inspect
+
+    from weightstream import config
+    from weightstream.formats.hf import from_pretrained
+    from weightstream.pipeline import offload_pipeline
+
+    for function in (ws.offload, from_pretrained, offload_pipeline):
+        assert inspect.signature(function).parameters["gpu_memory"].default == "auto"
+    with pytest.raises(ArgumentError, match="gpu_memory='auto'.*give a size"):
+        OffloadConfig(device="cpu")
+    gib = 2**30
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    asked = []
+    for free, total, expected in [(70 * gib, 80 * gib, 62 * gib),  # 10% of 80 GiB is more than 2 GiB
+                                  (10 * gib, 12 * gib, 8 * gib),  # 2 GiB is more than 10% of 12 GiB
+                                  (1 * gib, 80 * gib, 0)]:  # nothing left
+        def mem_get_info(device, f=free, t=total):
+            asked.append(device)
+            return f, t
+
+        monkeypatch.setattr(torch.cuda, "mem_get_info", mem_get_info)
+        assert OffloadConfig().gpu_memory == expected
+        assert OffloadConfig("AUTO", device="cuda").gpu_memory == expected
+    assert asked[0] == torch.device("cuda", 0)
+    assert config.auto_gpu_memory(torch.device("cuda", 0)) == 0

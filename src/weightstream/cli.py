@@ -27,7 +27,9 @@ def main(argv: list[str] | None = None) -> int:
     gen = sub.add_parser("generate", help="load a local checkpoint offloaded and generate text")
     gen.add_argument("path", help="a local Hugging Face checkpoint folder (config, safetensors, tokenizer)")
     gen.add_argument("--prompt", required=True)
-    gen.add_argument("--gpu-memory", required=True, help='GPU budget for the weights, e.g. "20GiB"')
+    gen.add_argument("--gpu-memory", default="auto",
+                     help='GPU budget for the weights, e.g. "20GiB" (default auto: the free GPU memory minus '
+                          'max(2 GiB, 10%%))')
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--compile", action="store_true",
                      help="static KV cache and torch.compile(fullgraph=True)")

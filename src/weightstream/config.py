@@ -22,6 +22,17 @@ from .placement.probe import MachineProfile
 from .sizes import parse_size
 
 CHECK_ENV = "WEIGHTSTREAM_CHECK"
+# gpu_memory="auto": the GPU's free memory minus this headroom (activations, KV caches, the CUDA context,
+# other work): the larger of AUTO_HEADROOM_BYTES and AUTO_HEADROOM_FRACTION of the GPU's memory
+AUTO_HEADROOM_BYTES = 2 * 2**30
+AUTO_HEADROOM_FRACTION = 0.10
+
+
+def auto_gpu_memory(device: torch.device) -> int:
+    """`gpu_memory="auto"` on `device` (a CUDA device with its index): its free memory now, minus the
+    headroom. A model already on this GPU counts as used: move it to the CPU first, or give a size."""
+    free, total = torch.cuda.mem_get_info(device)
+    return max(0, free - max(AUTO_HEADROOM_BYTES, int(AUTO_HEADROOM_FRACTION * total)))
 
 __all__ = ["CHECK_ENV", "DEFAULTS", "OffloadConfig", "config_of"]
 
@@ -31,7 +42,8 @@ class OffloadConfig:
     """How to offload a model (what `weightstream.offload` documents for each argument).
 
     Built from what a user writes and resolved on construction: `gpu_memory` becomes bytes ("6GiB" ->
-    6442450944), `device` a `torch.device` (None: cuda where available), `check` a bool
+    6442450944; "auto", the default: the GPU's free memory minus max(2 GiB, 10% of its memory)),
+    `device` a `torch.device` (None: cuda where available), `check` a bool
     (None: the environment variable WEIGHTSTREAM_CHECK), `compress="auto"` False on the CPU backend,
     `blocks` and `keep_resident` tuples. A mistake raises `ArgumentError` saying what to change.
     `replace(**changes)` gives a copy with some fields changed, validated again.
@@ -40,7 +52,7 @@ class OffloadConfig:
         weightstream.offload(model, config)
     """
 
-    gpu_memory: int | str
+    gpu_memory: int | str = "auto"
     device: str | torch.device | None = None
     pin_memory: bool = True
     strategy: str = "auto"
@@ -54,8 +66,13 @@ class OffloadConfig:
 
     def __post_init__(self) -> None:
         put = object.__setattr__
-        put(self, "gpu_memory", parse_size(self.gpu_memory))
         put(self, "device", resolve_device(self.device, index=False))  # the index: when it offloads
+        if isinstance(self.gpu_memory, str) and self.gpu_memory.strip().lower() == "auto":
+            if self.device.type != "cuda":
+                raise ArgumentError("gpu_memory='auto' is the GPU's free memory minus headroom; the CPU "
+                                    "backend has no GPU: give a size, e.g. gpu_memory='1GiB'")
+            put(self, "gpu_memory", auto_gpu_memory(resolve_device(self.device)))
+        put(self, "gpu_memory", parse_size(self.gpu_memory))
         if not isinstance(self.pin_memory, bool):
             raise ArgumentError(f"pin_memory={self.pin_memory!r}: give True or False")
         if self.strategy not in STRATEGIES:
@@ -100,7 +117,7 @@ class OffloadConfig:
 DEFAULTS = {f.name: f.default for f in dataclasses.fields(OffloadConfig) if f.name != "gpu_memory"}
 
 
-def config_of(gpu_memory: int | str | OffloadConfig, **given) -> OffloadConfig:
+def config_of(gpu_memory: int | str | OffloadConfig = "auto", **given) -> OffloadConfig:
     """The config a call means: `gpu_memory` itself when it is an OffloadConfig (then every argument
     in `given` must be at its default), else one built from `gpu_memory` and `given`."""
     if isinstance(gpu_memory, OffloadConfig):

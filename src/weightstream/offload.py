@@ -20,7 +20,7 @@ __all__ = ["OffloadHandle", "OffloadStats", "handle_of", "offload"]
 
 def offload(
     model: nn.Module,
-    gpu_memory: int | str | OffloadConfig,
+    gpu_memory: int | str | OffloadConfig = "auto",
     *,
     device: str | torch.device | None = None,
     pin_memory: bool = True,
@@ -41,9 +41,12 @@ def offload(
     `state_dict()` and `parameters()` give the true weights; `deepcopy` and pickling refuse.
 
     gpu_memory: bytes (int) or a string like "6GiB" / "500MB": resident weights plus staging slots.
-        Activations and KV caches are not counted. Or an `OffloadConfig` holding every argument below
-        (then give none of them): `ws.offload(model, ws.OffloadConfig("6GiB", compress=False))`.
-        Every argument is validated once, by `OffloadConfig`.
+        Activations and KV caches are not counted: "auto" (the default) is the GPU's free memory now
+        minus max(2 GiB, 10% of its memory) for them (a model already on that GPU counts as used: give a
+        size for it, or move it to the CPU first; the CPU backend needs a size). Or an `OffloadConfig`
+        holding every argument below (then give none of them):
+        `ws.offload(model, ws.OffloadConfig("6GiB", compress=False))`. Every argument is validated
+        once, by `OffloadConfig`.
     device: "cuda" (default when available) or "cpu" (the synchronous backend: same schedule, no
         streams; used for testing and CPU-only machines).
     pin_memory: page-lock the host arena (fast async copies, CUDA graphs). False streams from

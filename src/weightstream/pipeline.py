@@ -270,7 +270,7 @@ def component_costs(modules: dict[str, nn.Module], device, allow_meta: bool = Fa
 
 def offload_pipeline(
     pipe,
-    gpu_memory: int | str | OffloadConfig,
+    gpu_memory: int | str | OffloadConfig = "auto",
     *,
     device: str | torch.device | None = None,
     pin_memory: bool = True,

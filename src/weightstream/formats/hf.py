@@ -276,7 +276,7 @@ def choose_disk_groups(group_bytes: list[int], cpu_memory: int | None) -> frozen
 
 def from_pretrained(
     path: str | os.PathLike,
-    gpu_memory: int | str | OffloadConfig,
+    gpu_memory: int | str | OffloadConfig = "auto",
     *,
     cpu_memory: int | str | None = None,
     dtype: torch.dtype | str | None = None,
