@@ -7,6 +7,7 @@ import os
 import pytest
 
 from weightstream.bench import plots
+from weightstream.bench.index import page_plots
 
 
 def test_plot_tokens_per_s_from_stored_results(bench_doc, tmp_path):
@@ -41,7 +42,7 @@ def test_timelines_of_one_method_and_phase_at_two_budgets_keep_both_plots(bench_
     budgets = (doc["weight_bytes"] // 4, doc["weight_bytes"] // 2)
     timelines = [{"method": "ws-auto", "phase": "decode-b1", "mode": "eager", "budget_bytes": b,
                   "events": events} for b in budgets]
-    paths = plots.write_plots([{**doc, "timelines": timelines}], str(tmp_path))
+    paths = page_plots([{**doc, "timelines": timelines}], [str(tmp_path / "suite_tiny.json")], str(tmp_path))
     names = sorted(n for n in map(os.path.basename, paths) if n.startswith("timeline"))
     assert names == ["timeline_tiny_ws-auto_decode-b1_25pct.png", "timeline_tiny_ws-auto_decode-b1_50pct.png"]
     assert all((tmp_path / n).stat().st_size > 0 for n in names)

@@ -28,7 +28,6 @@ import sys
 
 import torch
 
-from ..devices import resolve_device
 from ..errors import ArgumentError, WeightstreamError
 from ..usage import USAGE_ERROR, OneLineParser
 from . import kinds
@@ -114,16 +113,7 @@ def report(paths: list[str], md_path: str, png_dir: str, index_path: str | None 
 def check_run(args: argparse.Namespace) -> torch.device:
     """Refuse a run that cannot work before anything is built or timed; return the device. Raises
     ArgumentError (or ValueError from the runner's own checks) naming the option to change."""
-    if (args.device or "").startswith("cuda") and not torch.cuda.is_available():
-        raise ArgumentError(f"--device {args.device}: CUDA is not available here; use --device cpu with "
-                            "--shape tiny or tiny-moe")
-    try:
-        device = resolve_device(args.device)
-    except WeightstreamError:
-        raise ArgumentError(f"--device {args.device}: give cuda, cuda:N or cpu") from None
-    if device.type == "cuda" and device.index >= torch.cuda.device_count():
-        raise ArgumentError(f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA "
-                            "device(s), numbered from 0")
+    device = kinds.bench_device(args.device, "--shape tiny or tiny-moe")
     if device.type == "cpu" and not args.shape.startswith("tiny"):
         raise ArgumentError("without CUDA, run the harness on --shape tiny or tiny-moe (a correctness smoke "
                             "test)")

@@ -24,7 +24,7 @@ import shlex
 import torch
 
 from ..devices import resolve_device
-from ..errors import ArgumentError
+from ..errors import ArgumentError, WeightstreamError
 from ..sizes import parse_size
 from . import methods as registry
 from .flux_pipeline import PIPELINE_SHAPES
@@ -144,19 +144,25 @@ def runs_nothing(args: argparse.Namespace) -> bool:
     return bool(args.bound or args.waits or args.predict)
 
 
+def bench_device(option: str | None, tiny: str) -> torch.device:
+    """The device `--device` names (None: cuda where available), with its index; ArgumentError for
+    CUDA asked for and absent (`tiny`: the CPU shapes to suggest), a bad name or a missing GPU."""
+    if (option or "").startswith("cuda") and not torch.cuda.is_available():
+        raise ArgumentError(f"--device {option}: CUDA is not available here; use --device cpu with {tiny}")
+    try:
+        device = resolve_device(option)
+    except WeightstreamError:
+        raise ArgumentError(f"--device {option}: give cuda, cuda:N or cpu") from None
+    if device.type == "cuda" and device.index >= torch.cuda.device_count():
+        raise ArgumentError(f"--device {option}: this machine has {torch.cuda.device_count()} CUDA "
+                            "device(s), numbered from 0")
+    return device
+
+
 def check_device(args: argparse.Namespace) -> torch.device:
     """The device of a non-suite kind; ArgumentError for CUDA asked for and absent, or a full-size shape
     without CUDA (the suite's own check is `bench/cli.py`'s `check_run`)."""
-
-    if (args.device or "").startswith("cuda") and not torch.cuda.is_available():
-        raise ArgumentError(f"--device {args.device}: CUDA is not available here; use --device cpu with a "
-                            "tiny shape")
-    try:
-        device = resolve_device(args.device)
-    except Exception:
-        raise ArgumentError(f"--device {args.device}: give cuda, cuda:N or cpu") from None
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = bench_device(args.device, "a tiny shape")
     if device.type == "cpu" and args.kind != "codec" and not args.shape.startswith("tiny"):
         tiny = "tiny-flux-pipeline" if args.kind == "pipeline" else "tiny"
         raise ArgumentError(f"without CUDA, --kind {args.kind} runs on a tiny shape (--shape {tiny}: a "

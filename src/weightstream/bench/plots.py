@@ -3,9 +3,6 @@ timeline. Needs matplotlib (the `bench` and `test` extras); nothing here runs a 
 
 from __future__ import annotations
 
-import os
-
-from ..sizes import format_size
 from . import methods as registry
 
 
@@ -86,22 +83,3 @@ def plot_timeline(events: list, png_path: str, title: str = "one forward") -> No
     fig.tight_layout()
     fig.savefig(png_path, dpi=120)
     plt.close(fig)
-
-
-def write_plots(docs: list[dict], png_dir: str) -> list[str]:
-    """One tokens/s plot per shape and one timeline plot per stored timeline; returns the PNG paths."""
-    os.makedirs(png_dir, exist_ok=True)
-    paths = []
-    for shape in dict.fromkeys(d["shape"]["name"] for d in docs):
-        paths.append(os.path.join(png_dir, f"bench_{shape}.png"))
-        plot_tokens_per_s([d for d in docs if d["shape"]["name"] == shape], paths[-1])
-    for doc in docs:
-        for t in doc.get("timelines", []):
-            share = f"_{round(100 * t['budget_bytes'] / doc['weight_bytes'])}pct" if t["budget_bytes"] else ""
-            mode = "" if t.get("mode", "eager") == "eager" else f"_{t['mode']}"
-            name = f"timeline_{doc['shape']['name']}_{t['method']}_{t['phase']}{mode}{share}.png"
-            paths.append(os.path.join(png_dir, name))
-            title = (f"{doc['shape']['name']} {t['method']} {t['phase']} {t['mode']}, "
-                     + (f"budget {format_size(t['budget_bytes'])}" if t["budget_bytes"] else "resident"))
-            plot_timeline(t["events"], paths[-1], title)
-    return paths
