@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 import weightstream as ws
 import weightstream.placement.prepare
+from weightstream.bench.flux_pipeline import tokenizer  # word-level, in memory
 from weightstream.errors import ArgumentError, BudgetError, OffloadStateError
 from weightstream.pipeline import PipelineHandle, _merge, front, modules_of, split_budget
 from weightstream.placement.cost import ModelCost
@@ -22,18 +23,6 @@ from weightstream.placement.plan import _candidates, landing_options, placement_
 from weightstream.placement.probe import H200
 
 pytest.importorskip("diffusers")
-
-
-def tokenizer(max_len: int):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    words = "a photo of cat dog red blue".split()
-    vocab = {"[PAD]": 0, "[UNK]": 1, "[EOS]": 2, **{w: i + 3 for i, w in enumerate(words)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="[PAD]", unk_token="[UNK]",
-                                   eos_token="[EOS]", model_max_length=max_len)
 
 
 def tiny_flux_pipeline(seed: int = 0, width: int = 16):
