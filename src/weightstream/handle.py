@@ -218,11 +218,12 @@ class OffloadHandle:
         if self.restored:
             raise OffloadStateError("this handle was already restored")
         target = self.device if device is None else resolve_device(device)
+        engine = self.engine
         for name in self.settle():
             warnings.warn(f"weightstream: {name} was written in place outside its block's forward while "
                           "offloaded; that write went to a staging buffer and is not in the restored model "
                           "(edit weights inside `with handle.edit():`)", stacklevel=2)
-        self.engine.transfer.synchronize()
+        engine.transfer.synchronize()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         for block in self._streamed_modules:
@@ -230,20 +231,19 @@ class OffloadHandle:
             del block._ws_engine_id, block._ws_group
         for module in self._patched:
             del module._apply
-        self.engine.guards.remove()  # after this, parameters() would read the slots: none is read below
+        engine.guards.remove()  # after this, parameters() would read the slots: none is read below
         object.__delattr__(self.model, _HANDLE_ATTR)
-        self.engine.transfer.close()
-        for g, group in enumerate(self.engine.groups + self.engine.uva_groups):
-            engine = self.engine
+        engine.transfer.close()
+        for g, group in enumerate(engine.groups + engine.uva_groups):
             region = engine.transfer.raw_group(g) if g < len(engine.groups) else engine.arena.region(g)
             for entry, sl in group:
                 raw = region[sl.offset : sl.offset + sl.nbytes]
                 _set_tensor(entry, entry.copy_of(raw, target))
-        off_device = {id(e) for g in self.engine.groups + self.engine.uva_groups for e, _ in g}
-        for entry in self.engine.entries:
+        off_device = {id(e) for g in engine.groups + engine.uva_groups for e, _ in g}
+        for entry in engine.entries:
             if id(entry) not in off_device and entry.tensor.device != target:
                 _set_tensor(entry, entry.moved(target))
-        self.engine.close()
+        engine.close()
         self.restored = True
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

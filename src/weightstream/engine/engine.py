@@ -311,7 +311,7 @@ _registration: torch.utils.hooks.RemovableHandle | None = None
 
 def _on_module_registered(parent, name: str, module):
     """nn.Module's global registration hook: a submodule set on a module of an offloaded model."""
-    guards = parent.__dict__.get("_ws_guards") if isinstance(parent, nn.Module) else None
+    guards = parent.__dict__.get("_ws_guards")
     if guards is not None and isinstance(module, nn.Module):
         guards.engine.adopt_modules(module)
     return None
