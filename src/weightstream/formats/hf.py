@@ -24,13 +24,14 @@ from ..engine.host import HostArena
 from ..errors import BudgetError, CheckpointError
 from ..handle import finish
 from ..placement.entries import Entry
+from ..placement.layout import Slice
 from ..placement.plan import spread
 from ..placement.prepare import final_places, prepare
 from ..placement.probe import MachineProfile
 from ..sizes import format_size, parse_size
 from ..wire import coded_load
-from . import fp8
-from .checkpoint import StoredTensor, read_index, read_into, read_json
+from . import convert, fp8
+from .checkpoint import StoredTensor, read_index, read_json
 from .disk import DiskTier
 
 
@@ -197,59 +198,63 @@ def _entry_names(model: nn.Module, entries: list[Entry]) -> dict[str, Entry]:
 
 
 def _match(model: nn.Module, entries: list[Entry], stored: dict[str, StoredTensor], folder: Path):
-    """Pair every persistent entry (a parameter or a saved buffer) with its stored tensor; check
-    shapes and dtypes."""
+    """Pair every persistent entry (a parameter or a saved buffer) with its `convert.Source` (the stored
+    tensors it is made of, after transformers' conversion rules for the model); check shapes and
+    dtypes."""
     names = _entry_names(model, entries)
     first_name = {}
     for name, entry in names.items():
         first_name.setdefault(id(entry), name)
     persistent = {id(e) for e in entries if any(s.persistent for s in e.sites)}
-    pairs: dict[int, tuple[Entry, StoredTensor]] = {}
-    for name, tensor in stored.items():
+    made, unexpected = convert.sources(model, stored, folder)
+    pairs: dict[int, tuple[Entry, convert.Source]] = {}
+    for name, source in made.items():
         entry = names.get(name)
         if entry is not None and id(entry) in persistent:
-            pairs.setdefault(id(entry), (entry, tensor))
+            pairs.setdefault(id(entry), (entry, source))
+        elif entry is None:
+            unexpected.append(name)
     missing = [e for e in entries if id(e) in persistent and id(e) not in pairs]
-    unexpected = sorted(set(stored) - set(names))
+    unexpected = sorted(set(unexpected))
     if missing:
         example = first_name[id(missing[0])]
-        hint = (" The checkpoint stores tensors the model does not have (e.g. "
-                f"{unexpected[0]}): its layout needs a weight conversion (such as fused MoE experts) that "
-                "weightstream does not do yet." if unexpected else "")
+        hint = (" The checkpoint stores tensors the model does not have, even after transformers' conversion "
+                f"rules for {type(model).__name__} (e.g. {unexpected[0]}): check that config.json belongs "
+                "to these weights." if unexpected else "")
         raise CheckpointError(f"{folder}: {len(missing)} tensor(s) the model needs are not in the "
                               f"checkpoint, e.g. {example}.{hint}")
     if unexpected:
         warnings.warn(f"{folder}: ignoring {len(unexpected)} checkpoint tensor(s) the model does not have, "
                       f"e.g. {unexpected[:3]}", stacklevel=3)
-    for entry, tensor in pairs.values():
+    for entry, source in pairs.values():
         name = first_name[id(entry)]
-        if tensor.shape != entry.shape:
-            raise CheckpointError(f"{folder}: {name} has shape {list(tensor.shape)} in the checkpoint but "
-                                  f"{list(entry.shape)} in the model built from config.json")
+        if tuple(source.shape) != tuple(entry.shape):
+            made_of = f" (made of {len(source.reads)} stored tensors)" if len(source.reads) > 1 else ""
+            raise CheckpointError(f"{folder}: {name} has shape {list(source.shape)} in the checkpoint"
+                                  f"{made_of} but {list(entry.shape)} in the model built from config.json")
         low = (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8, torch.uint8)
-        if tensor.dtype.is_floating_point != entry.dtype.is_floating_point or (
-                (tensor.dtype in low) != (entry.dtype in low)):  # never a silent (de)quantize
-            raise CheckpointError(f"{folder}: {name} is {tensor.dtype} in the checkpoint but the model "
+        if source.dtype.is_floating_point != entry.dtype.is_floating_point or (
+                (source.dtype in low) != (entry.dtype in low)):  # never a silent (de)quantize
+            raise CheckpointError(f"{folder}: {name} is {source.dtype} in the checkpoint but the model "
                                   f"expects {entry.dtype}")
     return list(pairs.values())
 
 
 def _fill(pairs, places: dict[int, torch.Tensor], progress: bool) -> None:
-    """Read every stored tensor into its place, converting dtype where the model asks for another."""
-    staging = max((t.nbytes for _, t in pairs), default=0)
+    """Read every stored tensor into its place (its region of a fused tensor), in file order,
+    converting dtype where the model asks for another."""
+    staging = max((r.stored.nbytes for _, source in pairs for r in source.reads), default=0)
     bounce = torch.empty(staging, dtype=torch.uint8)
-    total = sum(t.nbytes for _, t in pairs)
+    total = sum(source.nbytes for _, source in pairs)
+    units = []  # (where it lies, entry, source): each placed read alone, a transformers convert whole
+    for entry, source in pairs:
+        parts = [source] if source.converter is not None else [
+            convert.Source(source.name, [r], source.shape, source.dtype) for r in source.reads]
+        units += [((str(p.reads[0].stored.path), p.reads[0].stored.offset), entry, p) for p in parts]
     with tqdm(total=total, unit="B", unit_scale=True, desc="loading", disable=not progress) as bar:
-        for entry, stored in sorted(pairs, key=lambda p: (str(p[1].path), p[1].offset)):
-            dst = places[id(entry)]
-            direct = dst.device.type == "cpu" and stored.dtype == entry.dtype and dst.is_contiguous()
-            if direct:
-                read_into(stored, dst)
-            else:
-                raw = bounce[: stored.nbytes].view(stored.dtype).view(stored.shape)
-                read_into(stored, raw)
-                dst.copy_(raw)  # to the device and/or to the model's dtype
-            bar.update(stored.nbytes)
+        for _, entry, source in sorted(units, key=lambda u: u[0]):
+            source.fill(places[id(entry)], bounce)
+            bar.update(source.nbytes)
 
 
 def choose_disk_groups(group_bytes: list[int], cpu_memory: int | None) -> frozenset[int]:
@@ -367,18 +372,24 @@ def from_pretrained(
 
 
 def _disk_tier(prep, pairs, on_disk: frozenset[int], folder: Path) -> DiskTier:
-    """The disk tier for the groups in `on_disk`: where each of their tensors lies in its shard."""
-    stored_of = {id(entry): stored for entry, stored in pairs}
+    """The disk tier for the groups in `on_disk`: where each of their tensors (each stored piece of a
+    fused one) lies in its shard."""
+    source_of = {id(entry): source for entry, source in pairs}
     groups = {}
     for g in on_disk:
         groups[g] = []
         for entry, sl in prep.groups[g]:
-            stored = stored_of[id(entry)]
-            if stored.dtype != entry.dtype:
+            source = source_of[id(entry)]
+            if source.dtype != entry.dtype:
                 raise CheckpointError(
-                    f"{folder}: the disk tier streams tensors as stored ({stored.dtype}) but the model "
-                    f"asks for {entry.dtype}: load with dtype={str(stored.dtype).removeprefix('torch.')!r} "
+                    f"{folder}: the disk tier streams tensors as stored ({source.dtype}) but the model "
+                    f"asks for {entry.dtype}: load with dtype={str(source.dtype).removeprefix('torch.')!r} "
                     "or give cpu_memory enough for every streamed group"
                 )
-            groups[g].append((stored, sl))
+            regions = source.regions(entry.dtype.itemsize)
+            if regions is None:
+                raise CheckpointError(
+                    f"{folder}: {source.name} is converted from the checkpoint in a way the disk tier cannot "
+                    "read in place: give cpu_memory enough for every streamed group (or no cpu_memory limit)")
+            groups[g] += [(stored, Slice(sl.offset + at, stored.nbytes)) for stored, at in regions]
     return DiskTier(groups, {g: prep.group_bytes[g] for g in on_disk})

@@ -17,7 +17,8 @@ import os
 import torch
 
 from ..engine.host import HostArena
-from ..formats.checkpoint import StoredTensor, read_into
+from ..formats.checkpoint import StoredTensor
+from ..formats.convert import Source
 from ..formats.disk import DiskTier
 from ..formats.diskcache import DiskCache
 from ..placement.prepare import Prepared, _plain
@@ -25,23 +26,19 @@ from . import codec
 from .groups import place, sized
 
 
-def _coded(prep: Prepared, stored_of: dict[int, StoredTensor], g: int) -> codec.EncodedGroup | None:
-    """Group `g` read from its checkpoint tensors (converted to the model's dtype) and encoded; None
-    when it does not shrink or would not fit a landing buffer."""
+def _coded(prep: Prepared, source_of: dict[int, Source], g: int) -> codec.EncodedGroup | None:
+    """Group `g` read from its checkpoint tensors (converted to the model's dtype and layout) and
+    encoded; None when it does not shrink or would not fit a landing buffer."""
     group, nbytes = prep.groups[g], prep.group_bytes[g]
     buf = torch.zeros(nbytes, dtype=torch.uint8)
     tensors = []
     for entry, sl in group:
         view = entry.view_of(buf[sl.offset : sl.offset + sl.nbytes])
-        stored = stored_of.get(id(entry))
-        if stored is None:  # a buffer computed at construction, not stored
+        source = source_of.get(id(entry))
+        if source is None:  # a buffer computed at construction, not stored
             view.copy_(entry.tensor)
-        elif stored.dtype == entry.dtype:
-            read_into(stored, view)
         else:
-            raw = torch.empty(stored.nbytes, dtype=torch.uint8)
-            read_into(stored, raw)
-            view.copy_(raw.view(stored.dtype).view(stored.shape))
+            source.fill(view)
         tensors.append((view, sl.offset))
     where = prep.device if prep.device.type == "cuda" else None
     enc = codec.encode_group(tensors, nbytes, where)
@@ -51,19 +48,19 @@ def _coded(prep: Prepared, stored_of: dict[int, StoredTensor], g: int) -> codec.
 def encode(prep: Prepared, pairs, disk: DiskTier | None, cache_dir: str | os.PathLike | None,
            progress: bool) -> tuple[list[codec.EncodedGroup | None], DiskTier | None]:
     """Encode every streamed group of `prep` (a compressed placement) once; `pairs` are the (entry,
-    stored tensor) pairs of the checkpoint. Disk groups' blobs are written to a new cache file in
+    `formats.convert.Source`) pairs of the checkpoint. Disk groups' blobs are written to a new cache file in
     `cache_dir` (None: a temp folder); returns each group's encoding (its blob a meta tensor of the
     blob's size; None: raw) and the disk tier reading the blobs. Shows a progress bar over groups."""
     from tqdm import tqdm
 
-    stored_of = {id(entry): stored for entry, stored in pairs}
+    source_of = {id(entry): source for entry, source in pairs}
     cache = DiskCache(cache_dir) if disk is not None else None
     wire: list[codec.EncodedGroup | None] = []
     blobs: dict[int, StoredTensor] = {}
     try:
         for g in tqdm(range(len(prep.groups)), desc="weightstream: compressing groups", unit="group",
                       disable=not progress):
-            enc = _coded(prep, stored_of, g) if all(_plain(e) for e, _ in prep.groups[g]) else None
+            enc = _coded(prep, source_of, g) if all(_plain(e) for e, _ in prep.groups[g]) else None
             if enc is not None:
                 if disk is not None and disk.holds(g):
                     blobs[g] = cache.append(enc.blob)
@@ -85,10 +82,10 @@ def fill_host(arena: HostArena, prep: Prepared, pairs, wire: list[codec.EncodedG
               disk: DiskTier | None) -> list[codec.EncodedGroup | None]:
     """Code each compressed host group again straight into its arena region; returns the encodings,
     host ones pointing at the arena (disk ones keep their meta blob: they are read from the cache)."""
-    stored_of = {id(entry): stored for entry, stored in pairs}
+    source_of = {id(entry): source for entry, source in pairs}
     placed = []
     for g, enc in enumerate(wire):
         if enc is not None and not (disk is not None and disk.holds(g)):
-            enc = place(arena, g, enc, _coded(prep, stored_of, g))
+            enc = place(arena, g, enc, _coded(prep, source_of, g))
         placed.append(enc)
     return placed
