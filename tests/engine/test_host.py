@@ -30,7 +30,14 @@ def test_failed_pinning_names_the_pin_memory_opt_out(monkeypatch):
             return 2  # cudaErrorMemoryAllocation
 
     monkeypatch.setattr(torch.cuda, "cudart", lambda: RefusingCudart)
-    with pytest.raises(PinnedMemoryError, match="pin_memory=False"):
+    monkeypatch.setattr(host.resource, "getrlimit", lambda which: (64 * 1024, 64 * 1024))
+    with pytest.raises(PinnedMemoryError, match=r"pin_memory=False") as refused:
+        HostArena([4096], pin=True)
+    # the numbers a user needs to choose: the limit and what is available
+    assert "locked-memory limit (ulimit -l) 64.00 KiB" in str(refused.value)
+    assert "of host memory available" in str(refused.value)
+    monkeypatch.setattr(host.resource, "getrlimit", lambda which: (host.resource.RLIM_INFINITY,) * 2)
+    with pytest.raises(PinnedMemoryError, match=r"ulimit -l\) unlimited"):
         HostArena([4096], pin=True)
 
 

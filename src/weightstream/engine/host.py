@@ -7,6 +7,7 @@ with cudaHostRegister, one region for all groups, each group a contiguous slice 
 
 from __future__ import annotations
 
+import resource
 import threading
 import weakref
 
@@ -30,6 +31,41 @@ def available_host_bytes() -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+def locked_memory_limit() -> int | None:
+    """The process's locked-memory limit in bytes (`ulimit -l`, RLIMIT_MEMLOCK), or None where it is
+    unlimited or cannot be read."""
+    try:
+        soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    except (OSError, ValueError):
+        return None
+    return None if soft == resource.RLIM_INFINITY else int(soft)
+
+
+def on_wsl() -> bool:
+    """Whether this Linux runs under Windows (WSL), where page-locked memory comes from a pool that
+    Windows caps below the machine's RAM."""
+    try:
+        with open("/proc/version") as f:
+            return "microsoft" in f.read().lower()
+    except OSError:
+        return False
+
+
+def pin_failure_context(nbytes: int) -> str:
+    """What the host says about page-locking `nbytes` (bytes): the locked-memory limit, the available
+    memory, and WSL's pool, for the error that a failed pin raises."""
+    facts = [f"{format_size(nbytes)} asked"]
+    limit = locked_memory_limit()
+    facts.append("locked-memory limit (ulimit -l) unlimited" if limit is None
+                 else f"locked-memory limit (ulimit -l) {format_size(limit)}")
+    available = available_host_bytes()
+    if available is not None:
+        facts.append(f"{format_size(available)} of host memory available")
+    if on_wsl():
+        facts.append("running under WSL, whose page-locked pool Windows caps below the machine's RAM")
+    return "; ".join(facts)
 
 
 def check_host_memory(nbytes: int, what: str) -> None:
@@ -69,7 +105,8 @@ class HostArena:
             if int(err) != 0:
                 raise PinnedMemoryError(
                     f"could not page-lock {format_size(self.nbytes)} of host memory (CUDA error {int(err)}; "
-                    "a container memlock limit or WSL often causes this). Raise the limit (ulimit -l), "
+                    f"{pin_failure_context(self._raw.numel())}). A container's memlock limit or WSL often "
+                    "causes this: raise the limit (ulimit -l, docker run --ulimit memlock=-1), "
                     "or pass pin_memory=False to stream from pageable memory, which works but copies "
                     "about 9x slower and cannot be captured in CUDA graphs."
                 )
