@@ -334,3 +334,28 @@ def test_eager_blocks_on_the_gpu_keep_weight_views_and_see_the_callers_tensors(d
     blocks compute from the caller's tensors and their in-place writes reach it, as resident."""
     monkeypatch.setattr(ws.engine.streamed, "EAGER_DIRECT", direct)
     check_peek_model("cuda", n=6, dim=256, forwards=3, profile=H200, compress=False)
+
+
+def test_gpu_memory_auto_on_a_real_gpu_is_free_memory_minus_the_headroom_and_exact():
+    """The default budget read from the driver: what is free now minus max(2 GiB, 10% of the card);
+    a small model fits whole under it, so nothing streams and the output equals the resident model."""
+    from weightstream.config import AUTO_HEADROOM_BYTES, AUTO_HEADROOM_FRACTION, OffloadConfig
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    free_before, total = torch.cuda.mem_get_info(device)
+    budget = OffloadConfig().gpu_memory
+    free_after, _ = torch.cuda.mem_get_info(device)
+    headroom = max(AUTO_HEADROOM_BYTES, int(AUTO_HEADROOM_FRACTION * total))
+    assert free_after - headroom <= budget <= free_before - headroom
+    assert OffloadConfig().device == device
+
+    ref = gpu_model()
+    model = make_model("llama", 0, dtype=torch.bfloat16)  # on the CPU: offload places it
+    ids = ids_for()
+    with torch.no_grad():
+        expected = ref(ids).logits
+        handle = ws.offload(model)
+        assert handle.config.gpu_memory <= free_before - headroom
+        assert torch.equal(model(ids).logits, expected)
+    assert handle.stats.streamed_bytes == 0
+    handle.restore()

@@ -70,6 +70,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="stop a method that has not finished a budget and phase within this many seconds "
                         "(recorded as its error) and go on with the next")
     p.add_argument("--no-timeline", action="store_true", help="skip the profiler timelines (CUDA only)")
+    p.add_argument("--lora", type=int, default=None, metavar="RANK",
+                   help="add an unfused LoRA adapter of this rank (random weights) to the attention "
+                        "projections before any method runs, to measure what it costs")
     p.add_argument("--emulate-precision-casts", action="store_true",
                    help="Inductor rounds to bf16 where eager does (compiled exactness, benchmarks/README.md)")
     p.add_argument("--out", default=None,
@@ -119,6 +122,8 @@ def check_run(args: argparse.Namespace) -> torch.device:
                             "test)")
     if args.reps < 1:
         raise ArgumentError(f"--reps {args.reps}: time at least 1 forward per measurement")
+    if args.lora is not None and args.lora < 1:
+        raise ArgumentError(f"--lora {args.lora}: give the adapter's rank, at least 1 (e.g. --lora 16)")
     for option, seconds in (("--max-seconds", args.max_seconds), ("--method-seconds", args.method_seconds)):
         if seconds is not None and not seconds > 0:  # `not >` also refuses nan
             raise ArgumentError(f"{option} {seconds:g}: give a positive number of seconds, or leave it out")
@@ -156,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
                         out, seed=args.seed, timeline=not args.no_timeline,
                         emulate_precision_casts=args.emulate_precision_casts,
                         command="weightstream bench " + shlex.join(argv), max_seconds=args.max_seconds,
-                        method_seconds=args.method_seconds, profile_dir=args.profile)
+                        method_seconds=args.method_seconds, profile_dir=args.profile, lora=args.lora)
     except (WeightstreamError, ValueError, OSError) as err:
         message = " ".join(str(err).split())  # one line, whatever the message held
         print(f"weightstream bench: {message}", file=sys.stderr)

@@ -63,6 +63,7 @@ OPTION_KINDS = {
     "--no-timeline": ("no_timeline", ("suite",)),
     "--emulate-precision-casts": ("emulate_precision_casts", ("suite",)),
     "--profile": ("profile", ("suite",)),
+    "--lora": ("lora", ("suite",)),
     "--predict": ("predict", ("pipeline",)),
     "--decode-gbps": ("decode_gbps", ("pipeline",)),
     "--checkpoint-dir": ("checkpoint_dir", ("load",)),

@@ -34,6 +34,7 @@ from ..placement.timing import capture_graph
 from ..sizes import format_size, parse_size
 from . import methods as registry
 from .limits import check_limits, limit_or_none
+from .lora import add_lora
 from .measure import compare_outputs, fill_row, h2d_bandwidth, measure
 from .memory import check_home, home_device, module_bytes, release_memory
 from .methods import Method, Undo
@@ -348,6 +349,7 @@ def run_suite(
     max_seconds: float | None = None,
     method_seconds: float | None = None,
     profile_dir: str | None = None,
+    lora: int | None = None,
 ) -> dict:
     """Run every method x budget x phase x mode on one model of `shape` and write the result document
     to `out_path` after each measurement; return the document.
@@ -367,7 +369,8 @@ def run_suite(
     unfinished modes are recorded as errors or skipped, it is undone, and the run goes on with the
     next (needs the main thread of a POSIX process: a SIGALRM timer). profile_dir: after each
     measurement, the host's time to enqueue a call and one profiled call (`profile.py`: its trace
-    written there, its figures in the row's `setup["profile"]`).
+    written there, its figures in the row's `setup["profile"]`). lora: the rank of an unfused LoRA
+    adapter added to the model before any method runs (`lora.py`; None: none), recorded as `lora`.
     """
     import torch._inductor.config
 
@@ -375,20 +378,20 @@ def run_suite(
     torch._inductor.config.emulate_precision_casts = emulate_precision_casts
     try:
         return _run(shape, budgets, phases, methods, modes, reps, _resolve(device), out_path, seed, timeline,
-                    command, max_seconds, method_seconds, profile_dir)
+                    command, max_seconds, method_seconds, profile_dir, lora)
     finally:
         torch._inductor.config.emulate_precision_casts = previous
 
 
 def _run(shape, budgets, phases, methods, modes, reps, device, out_path, seed, timeline, command,
-         max_seconds, method_seconds, profile_dir) -> dict:
+         max_seconds, method_seconds, profile_dir, lora) -> dict:
     """The body of `run_suite`, with the Inductor flag set."""
     _check_names(methods, [m.name for m in registry.METHODS], "method")
     _check_names(modes, list(MODES), "mode")
     check_limits(max_seconds, method_seconds)
     stop_at = None if max_seconds is None else time.monotonic() + max_seconds
     suite = _start(shape, budgets, [parse_phase(p) for p in phases], modes, reps, device, out_path, seed,
-                   timeline, command)
+                   timeline, command, lora)
     suite.stop_at, suite.method_seconds, suite.profile_dir = stop_at, method_seconds, profile_dir
     suite.doc["max_seconds"], suite.doc["method_seconds"] = max_seconds, method_seconds
     suite.doc["skipped_methods"] = {k: v for k, v in registry.unavailable().items() if k in methods}
@@ -402,8 +405,10 @@ def _run(shape, budgets, phases, methods, modes, reps, device, out_path, seed, t
     return suite.doc
 
 
-def _start(shape, budgets, phases, modes, reps, device, out_path, seed, timeline, command) -> Suite:
-    """Measure the link, build the model where it fits, make the inputs and the document header."""
+def _start(shape, budgets, phases, modes, reps, device, out_path, seed, timeline, command,
+           lora: int | None = None) -> Suite:
+    """Measure the link, build the model where it fits (with its LoRA adapter), make the inputs and the
+    document header."""
     check_shape(get_shape(shape), device)
     phases = [resolve_phase(get_shape(shape), p) for p in phases]  # a diffusion step's tokens
     for phase in phases:
@@ -415,7 +420,12 @@ def _start(shape, budgets, phases, modes, reps, device, out_path, seed, timeline
     where, note = build_device(weights, device)
     model = build_model(shape, where, seed)
     log(f"{shape}: {format_size(weights)} of bf16 weights on {where} ({note})")
+    adapter = None if lora is None else add_lora(model, lora, seed)
+    if adapter:
+        log(f"unfused LoRA of rank {lora} on {', '.join(adapter['targets'])}: "
+            f"{format_size(adapter['adapter_bytes'])}")
     doc = header(shape, device, model, bandwidth, command or shlex.join(sys.argv))
+    doc["lora"] = adapter
     doc.update(budgets=budget_bytes, phases=[p.name for p in phases], build_note=note,
                reference="resident" if where == device else "first weightstream method")
     s = get_shape(shape)

@@ -17,6 +17,8 @@ Result document (`validate` checks it; sizes in bytes, times in ms, bandwidth in
     max_seconds: the run's time budget (None: none); measurements past it are rows with `skipped`
     method_seconds: each method's time limit per budget and phase, preparation included (None: none);
         a method past it has rows with `error` "did not finish within ..." and the run goes on
+    lora: {rank, targets, adapter_bytes} of the unfused LoRA adapter the model carried (`--lora`), or
+        None / absent: none
     note, command_note: optional text added by hand after the run (e.g. that a shell timeout cut it)
     converted_from: the script whose older format the document was converted from (bench_core.py,
         bench_plan.py, bench_load.py; converted once, written back in this schema)
