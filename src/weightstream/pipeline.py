@@ -19,19 +19,21 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from .config import OffloadConfig, config_of
 from .dtypes import default_dtype
-from .errors import ArgumentError, BudgetError, OffloadStateError
+from .errors import ArgumentError, BudgetError, CheckpointError, OffloadStateError
 from .handle import OffloadHandle, OffloadStats, offload_module
 from .placement.cost import ModelCost
 from .placement.plan import Placement, _candidates, landing_options, placement_of, wire_of
 from .placement.prepare import prepare
 from .placement.probe import MachineProfile, load_profile
-from .sizes import format_size
+from .sizes import format_size, parse_size
 
 DENOISERS = ("transformer", "transformer_2", "unet", "prior", "decoder")  # called once per step
 DEFAULT_STEPS = 28
@@ -336,6 +338,91 @@ def offload_pipeline(
     return handle
 
 
+def host_shares(needs: dict[str, tuple[int, list[int]]], calls: dict[str, int],
+                cpu_memory: int | None) -> dict[str, int | None]:
+    """Each component's host memory, in bytes, out of `cpu_memory` for a pipeline loaded into place.
+    needs[name] = (its zero-copy bytes, each of its streamed groups' bytes). Every component first gets
+    what it cannot do without: its zero-copy bytes, plus all its groups or, when those are more, the
+    disk tier's two bounce buffers of its largest group (`formats.hf.choose_disk_groups`: each group
+    beyond its share stays on disk). The rest goes to the components called most per generation first
+    (a group kept on disk is read once per call), each up to all its groups in host memory. Pure logic.
+    None (no limit) gives every component None. Raises BudgetError with the least cpu_memory that fits."""
+    if cpu_memory is None:
+        return dict.fromkeys(needs)
+    full = {name: uva + sum(groups) for name, (uva, groups) in needs.items()}
+    least = {name: uva + min(sum(groups), 2 * max(groups, default=0))
+             for name, (uva, groups) in needs.items()}
+    minimum = sum(least.values())
+    if minimum > cpu_memory:
+        each = ", ".join(f"{n} {format_size(b)}" for n, b in least.items())
+        raise BudgetError(
+            f"cpu_memory={format_size(cpu_memory)} cannot hold what the pipeline's models need in host "
+            f"memory even with their streamed groups on disk ({each}: zero-copy blocks, and two bounce "
+            f"buffers of the largest group each): give at least {format_size(minimum)} ({minimum} bytes), "
+            "or a larger gpu_memory", minimum)
+    shares = dict(least)
+    left = cpu_memory - minimum
+    for name in sorted(needs, key=lambda n: -calls[n]):  # stable: model_index.json's order among equals
+        more = min(left, full[name] - shares[name])
+        shares[name] += more
+        left -= more
+    return shares
+
+
+def load_pipeline(path, config: OffloadConfig, *, cpu_memory: int | str | None = None,
+                  dtype: torch.dtype | str | None = None, progress: bool = True, cache_dir=None,
+                  build_context, load) -> PipelineHandle:
+    """`weightstream.from_pretrained` for a local diffusers pipeline folder (`model_index.json` and a
+    subfolder per component): every nn.Module component built with its parameters on the meta device
+    (`meta_components` in `build_context`), planned under one budget (`split_budget`, as
+    `offload_pipeline` plans; `config.gpu_memory` for all of them), then each tensor read from its
+    safetensors straight into its final place (`load`, one component at a time); the pipeline object,
+    tokenizers and scheduler come from `DiffusionPipeline.from_pretrained` given those components. The
+    whole model is never in host memory: its streamed groups take at most `cpu_memory` bytes ("16GiB";
+    None: no limit), shared by `host_shares`, and groups beyond a component's share stay in its files
+    (the disk tier). dtype: every component's (default: each in the dtype its weights are stored in,
+    with what its library keeps in float32 in float32, as diffusers loads it with that dtype).
+    build_context and load are formats/hf.py's `params_on_meta` and `load_into_place`, passed by its
+    `from_pretrained` (which calls this), so this module does not import the checkpoint reader back.
+    Returns the `PipelineHandle` (`handle.pipe` is the pipeline); nothing stays allocated on an error."""
+    from diffusers import DiffusionPipeline
+
+    if config.tokens != 1 or config.blocks is not None or config.placement is not None or (
+            config.keep_resident):
+        raise ArgumentError("tokens, blocks, placement and keep_resident name one model's: a pipeline "
+                            "folder is planned per component; load it without them")
+    folder = Path(path)
+    host_bytes = None if cpu_memory is None else parse_size(cpu_memory)
+    modules = meta_components(str(folder), dtype, build_context)
+    if not modules:
+        raise CheckpointError(f"{folder / 'model_index.json'} names no model to offload: load the pipeline "
+                              "with diffusers.DiffusionPipeline.from_pretrained")
+    calls, tokens = _resolve_calls(modules, DEFAULT_STEPS, None, None)
+    costs = component_costs(modules, config.device, allow_meta=True, compress=config.compress)
+    profile = load_profile(config.device) if config.profile is None else config.profile
+    plans = split_budget(costs, config.gpu_memory, calls, tokens, profile, config.strategy, config.compress)
+    configs = {name: config.replace(gpu_memory=p.placement.gpu_bytes, placement=p.placement,
+                                    compress=p.placement.compressed) for name, p in plans.items()}
+    needs = {}
+    for name, m in modules.items():
+        prep = prepare(m, configs[name], allow_meta=True, predict_wire=False)
+        needs[name] = (sum(prep.uva_group_bytes), prep.group_bytes)
+    shares = host_shares(needs, calls, host_bytes)
+    pipe = DiffusionPipeline.from_pretrained(folder, **modules)  # the rest as diffusers loads it
+    handles: dict[str, OffloadHandle] = {}
+    try:
+        for name in tqdm(modules, desc="loading pipeline", unit="model", disable=not progress):
+            handles[name] = load(modules[name], folder / name, configs[name], shares[name], cache_dir,
+                                 progress)
+    except BaseException:
+        for h in handles.values():
+            h.restore()
+        raise
+    handle = PipelineHandle(pipe, plans, handles, config.gpu_memory)
+    setattr(pipe, _PIPE_ATTR, handle)
+    return handle
+
+
 # dtypes a module can be built in (torch's default dtype): the ones a stored checkpoint is counted in
 _BUILD_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -383,41 +470,133 @@ def meta_diffusers_model(folder: str, class_name: str, dtype: torch.dtype | str 
         raise ArgumentError(f"{folder}/config.json names _class_name {class_name!r}, which diffusers "
                             f"{diffusers.__version__} does not have")
     dtype = stored_dtype(folder) if dtype is None else parse_dtype(dtype)
-    with torch.device("meta"), default_dtype(dtype):
-        model = cls.from_config(cls.load_config(folder))
+    with torch.device("meta"):
+        return _build_component(cls, "diffusers", Path(folder), dtype)
+
+
+def is_pipeline_folder(path) -> bool:
+    """True when `path` is a local folder holding a diffusers pipeline's `model_index.json`."""
+    try:
+        return (Path(path) / "model_index.json").is_file()
+    except (TypeError, ValueError, OSError):  # not a path at all
+        return False
+
+
+def _component_class(folder: Path, name: str, library: str, class_name: str) -> type | None:
+    """The class `model_index.json` names for component `name`, when it is an nn.Module (None for a
+    tokenizer, scheduler or processor: diffusers loads those). `library` is a package (diffusers,
+    transformers) or a diffusers pipeline module (`stable_diffusion`), as diffusers resolves it."""
+    import importlib
+
+    module = None
+    for candidate in (library, f"diffusers.pipelines.{library}"):
+        try:
+            module = importlib.import_module(candidate)
+            break
+        except ImportError:
+            continue
+    cls = getattr(module, class_name, None) if module is not None else None
+    if cls is None:
+        version = getattr(module, "__version__", None) or getattr(importlib.import_module("diffusers"),
+                                                                  "__version__", "")
+        raise CheckpointError(
+            f"{folder / 'model_index.json'} names the component {name} as {library}.{class_name}, which "
+            f"{'cannot be imported' if module is None else f'this {library} ({version}) does not have'}: "
+            f"install or upgrade {library.split('.')[0]} to one that has it, or re-save the pipeline")
+    return cls if isinstance(cls, type) and issubclass(cls, nn.Module) else None
+
+
+def _build_component(cls: type, library: str, folder: Path, dtype: torch.dtype) -> nn.Module:
+    """`cls` built from the config.json in `folder` in `dtype` (under whatever device context the caller
+    holds), in eval mode without gradients, with the tensors its library keeps in float32 at that dtype
+    in float32 (`_keep_in_fp32`). Raises CheckpointError when the library cannot build it."""
+    try:
+        with default_dtype(dtype):
+            if library == "transformers":
+                from transformers import AutoConfig
+
+                model = cls(AutoConfig.from_pretrained(folder, local_files_only=True))
+            else:
+                model = cls.from_config(cls.load_config(folder))
+    except (ValueError, TypeError, KeyError, AttributeError, OSError) as err:
+        first = str(err).splitlines()[0][:200] if str(err) else type(err).__name__
+        raise CheckpointError(f"{folder}: {library} cannot build {cls.__name__} from its config.json "
+                              f"({first}): re-save the pipeline, or use the {library} version that wrote "
+                              "it") from None
+    _keep_in_fp32(model, library, dtype)
     return model.eval().requires_grad_(False)
 
 
-def meta_components(folder: str, dtype: torch.dtype | str | None = None) -> dict[str, nn.Module]:
+def _keep_in_fp32(model: nn.Module, library: str, dtype: torch.dtype) -> None:
+    """Make float32 the floating-point tensors that `model`'s library keeps in float32 when it loads
+    the model in `dtype`, so a model built here has the dtypes `DiffusionPipeline.from_pretrained(folder,
+    dtype=dtype)` gives it: diffusers keeps a tensor whose name has a part named in the class's
+    `_keep_in_fp32_modules` (at any dtype); transformers a tensor whose name matches a pattern of the
+    model's `_get_dtype_plan(dtype)` (`_keep_in_fp32_modules` at fp16, `_keep_in_fp32_modules_strict`
+    at fp16 and bf16)."""
+    import re
+
+    if dtype == torch.float32:
+        return
+    if library == "transformers":
+        plan = model._get_dtype_plan(dtype) if hasattr(model, "_get_dtype_plan") else {}
+        patterns = [re.compile(p.replace("*", ".*")) for p in plan]
+
+        def keep(name: str) -> bool:
+            return any(p.search(name) for p in patterns)
+    else:
+        parts = list(getattr(model, "_keep_in_fp32_modules", None) or [])
+
+        def keep(name: str) -> bool:
+            return any(part in name.split(".") for part in parts)
+
+    upcast: dict[int, torch.Tensor] = {}  # by the tensor it replaces: tied tensors stay one tensor
+    for prefix, module in model.named_modules():
+        for tensors in (module._parameters, module._buffers):
+            for name, t in tensors.items():
+                if t is None or not t.is_floating_point() or t.dtype == torch.float32:
+                    continue
+                if id(t) in upcast or keep(f"{prefix}.{name}" if prefix else name):
+                    if id(t) not in upcast:
+                        fp32 = t.detach().to(torch.float32)
+                        upcast[id(t)] = nn.Parameter(fp32, requires_grad=False) if isinstance(
+                            t, nn.Parameter) else fp32
+                    tensors[name] = upcast[id(t)]
+
+
+def meta_components(folder: str, dtype: torch.dtype | str | None = None,
+                    build_context=None) -> dict[str, nn.Module]:
     """The nn.Module components of a local diffusers pipeline folder (`model_index.json` and one
     subfolder with a config.json per component), built on the meta device: sizes, no memory, no weights
     read. Each is built in `dtype`, by default the dtype its own subfolder's weights are stored in
-    (`stored_dtype`: an fp32 pipeline is planned at fp32 sizes). Tokenizers and schedulers are left out."""
-    import importlib
-    import json
-    import os
-
+    (`stored_dtype`: an fp32 pipeline is planned at fp32 sizes), with what its library keeps in float32
+    at that dtype in float32. Tokenizers and schedulers are left out. build_context: a function giving
+    the context manager each is built in (default: the meta device for every tensor; `from_pretrained`
+    gives one that keeps buffers real). Raises CheckpointError naming a component whose folder or class
+    is missing or that its library cannot build."""
     from .dtypes import parse_dtype
+    from .formats.checkpoint import read_json
 
-    with open(os.path.join(folder, "model_index.json")) as f:
-        index = json.load(f)
+    folder = Path(folder)
+    index = read_json(folder / "model_index.json")
     modules: dict[str, nn.Module] = {}
     for name, entry in index.items():
-        if name.startswith("_") or not isinstance(entry, list) or None in entry:
+        if name.startswith("_") or not isinstance(entry, list) or len(entry) != 2 or None in entry:
             continue
         library, class_name = entry
-        cls = getattr(importlib.import_module(library), class_name, None)
-        if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+        cls = _component_class(folder, name, library, class_name)
+        if cls is None:  # a tokenizer, scheduler or processor
             continue
-        sub = os.path.join(folder, name)
-        built_in = stored_dtype(sub) if dtype is None else parse_dtype(dtype)
-        if library != "transformers":
-            modules[name] = meta_diffusers_model(sub, class_name, built_in)
-            continue
-        from transformers import AutoConfig
-
-        with torch.device("meta"), default_dtype(built_in):
-            modules[name] = cls(AutoConfig.from_pretrained(sub)).eval().requires_grad_(False)
+        sub = folder / name
+        if not (sub / "config.json").is_file():
+            raise CheckpointError(
+                f"{folder / 'model_index.json'} names the component {name} ({class_name}), but "
+                f"{sub / 'config.json'} is missing: copy the whole folder save_pretrained wrote, or re-save "
+                "the pipeline")
+        built_in = stored_dtype(str(sub)) if dtype is None else parse_dtype(dtype)
+        with build_context() if build_context is not None else torch.device("meta"):
+            kind = "transformers" if library == "transformers" else "diffusers"  # diffusers builds the rest
+            modules[name] = _build_component(cls, kind, sub, built_in)
     return modules
 
 

@@ -79,11 +79,18 @@ def _read_header(path: Path) -> dict[str, StoredTensor]:
     return tensors
 
 
+# file stems of a checkpoint's weights: transformers' save_pretrained, then diffusers' (a pipeline's models)
+WEIGHT_STEMS = ("model", "diffusion_pytorch_model")
+
+
 def read_index(folder: str | os.PathLike) -> dict[str, StoredTensor]:
     """Every tensor of the checkpoint in `folder` (one `model.safetensors`, or shards listed in
-    `model.safetensors.index.json`), by name. Raises CheckpointError for a missing or truncated shard."""
+    `model.safetensors.index.json`; diffusers names them `diffusion_pytorch_model.*`), by name. Raises
+    CheckpointError for a missing or truncated shard."""
     folder = Path(folder)
-    index = folder / "model.safetensors.index.json"
+    stem = next((s for s in WEIGHT_STEMS if (folder / f"{s}.safetensors.index.json").is_file()
+                 or (folder / f"{s}.safetensors").is_file()), WEIGHT_STEMS[0])
+    index = folder / f"{stem}.safetensors.index.json"
     if index.is_file():
         weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict):
@@ -96,8 +103,8 @@ def read_index(folder: str | os.PathLike) -> dict[str, StoredTensor]:
             raise CheckpointError(
                 f"{folder}: shard(s) listed in {index.name} are missing: {', '.join(missing)}"
             )
-    elif (folder / "model.safetensors").is_file():
-        weight_map, shards = None, ["model.safetensors"]
+    elif (folder / f"{stem}.safetensors").is_file():
+        weight_map, shards = None, [f"{stem}.safetensors"]
     else:
         raise CheckpointError(
             f"{folder} has no model.safetensors nor model.safetensors.index.json: weightstream loads "

@@ -22,7 +22,8 @@ from ..config import OffloadConfig, config_of
 from ..dtypes import parse_dtype
 from ..engine.host import HostArena
 from ..errors import BudgetError, CheckpointError
-from ..handle import finish
+from ..handle import OffloadHandle, finish
+from ..pipeline import PipelineHandle, is_pipeline_folder, load_pipeline
 from ..placement.entries import Entry
 from ..placement.layout import Slice
 from ..placement.plan import spread
@@ -69,8 +70,8 @@ def checkpoint_folder(path: str | os.PathLike) -> Path:
         raise CheckpointError(f"{folder} is not a folder: give the folder a save_pretrained call wrote")
     if not (folder / "config.json").is_file():
         raise CheckpointError(
-            f"{folder} is not a Hugging Face checkpoint folder: it has no config.json (give the folder "
-            "that save_pretrained wrote)"
+            f"{folder} is not a Hugging Face checkpoint folder: it has no config.json (a model's) nor "
+            "model_index.json (a diffusers pipeline's): give the folder that save_pretrained wrote"
         )
     return folder
 
@@ -293,7 +294,7 @@ def from_pretrained(
     profile: MachineProfile | None = None,
     compress: bool | str = "auto",
     cache_dir: str | os.PathLike | None = None,
-) -> nn.Module:
+) -> nn.Module | PipelineHandle:
     """Load the model in the local folder `path` so its weights take at most `gpu_memory`.
 
     path: a folder written by `save_pretrained` (config.json and safetensors shards). Nothing is
@@ -319,12 +320,29 @@ def from_pretrained(
         that temp folder) is deleted at `handle.restore()`.
     Returns the model, offloaded; `weightstream.handle_of(model)` gives its handle. On any error
     nothing stays allocated.
+
+    A diffusers pipeline folder (`model_index.json` and a subfolder per component, as
+    `DiffusionPipeline.save_pretrained` writes it) gives its `PipelineHandle` (`handle.pipe` is the
+    pipeline): one `gpu_memory` and one `cpu_memory` over all its models, each loaded as above
+    (`pipeline.load_pipeline`; dtype: every model's, default each in the dtype its weights are stored in).
     """
     config = config_of(gpu_memory, device=device, pin_memory=pin_memory, strategy=strategy, tokens=tokens,
                        profile=profile, compress=compress)
+    if is_pipeline_folder(path):  # a diffusers pipeline: each of its models built and loaded as below
+        return load_pipeline(path, config, cpu_memory=cpu_memory, dtype=dtype, progress=progress,
+                             cache_dir=cache_dir, build_context=params_on_meta, load=load_into_place)
     folder = checkpoint_folder(path)
     host_bytes = None if cpu_memory is None else parse_size(cpu_memory)
     model = build_model(folder, dtype)
+    load_into_place(model, folder, config, host_bytes, cache_dir, progress)
+    return model
+
+
+def load_into_place(model: nn.Module, folder: Path, config: OffloadConfig, host_bytes: int | None,
+                    cache_dir: str | os.PathLike | None, progress: bool) -> OffloadHandle:
+    """Read the checkpoint in `folder` straight into the final places of `model` (built with its
+    parameters on the meta device), offloaded as `config` says; streamed groups beyond `host_bytes` of
+    host memory (None: no limit) stay in the files (the disk tier). Returns the model's handle."""
     stored = read_index(folder)
     prep = prepare(model, config, allow_meta=True, host_bytes=host_bytes)
     pairs = _match(model, prep.entries, stored, folder)
@@ -362,13 +380,13 @@ def from_pretrained(
             place = places.get(id(entry))  # none for a compressed or disk group's (in its blob)
             if id(entry) not in paired and place is not None and place is not entry.tensor.detach():
                 place.copy_(entry.tensor)
-        finish(prep, arena, places, disk, pin, check=config.check)
+        handle = finish(prep, arena, places, disk, pin, check=config.check)
     except BaseException:
         arena.close()
         if disk is not None:
             disk.close()
         raise
-    return model
+    return handle
 
 
 def _disk_tier(prep, pairs, on_disk: frozenset[int], folder: Path) -> DiskTier:
