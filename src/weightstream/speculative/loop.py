@@ -1,0 +1,238 @@
+"""`generate()`: speculative decoding of a causal LM, offloaded or not, one verify forward per pass.
+
+Each pass: the draft proposes a tree of `1 + width * depth` tokens rooted at the last token emitted;
+one forward of the model over the tree (tree attention mask, positions by depth, keys and values
+written after the committed ones) gives the target's logits at every node; acceptance walks the tree
+(greedy, or rejection sampling); the accepted path's keys and values are moved into place and the rest
+are left to be overwritten. A pass emits the accepted tokens plus the target's own next one. While an
+offloaded forward is bound by the weights crossing the link, a tree of many tokens costs about what
+one token costs, so every accepted token is a pass saved.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..errors import ArgumentError
+from ..sizes import parse_size
+from .acceptance import target_probs, walk_greedy, walk_sampled
+from .cache import TreeCache
+from .checks import (
+    check_causal_lm,
+    check_draft_vocabulary,
+    check_length,
+    check_memory,
+    generation_bytes,
+)
+from .draft import resolve_draft
+from .draft_model import DraftModel
+from .tree import TreeShape, path_moves, tree_mask, tree_positions
+from .verify import TreeForward
+
+
+@dataclass(frozen=True)
+class GenerationStats:
+    """What one `generate` did. accepted: drafted tokens the target accepted in each pass (a pass emits
+    those plus one). Times in milliseconds (host clock; each pass waits for its results anyway)."""
+
+    new_tokens: int
+    passes: int
+    accepted: tuple[int, ...]
+    prefill_ms: float
+    draft_ms: float
+    verify_ms: float
+    total_ms: float
+    width: int
+    depth: int
+    draft: str
+
+    @property
+    def tree_tokens(self) -> int:
+        """Tokens of each verify forward."""
+        return 1 + self.width * self.depth
+
+    @property
+    def accepted_per_pass(self) -> float:
+        """Mean drafted tokens accepted per verify pass."""
+        return sum(self.accepted) / len(self.accepted) if self.accepted else 0.0
+
+    @property
+    def tokens_per_pass(self) -> float:
+        """Mean tokens emitted per verify pass (accepted + 1, fewer where the end was reached)."""
+        return (self.new_tokens - 1) / self.passes if self.passes else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.total_ms * 1e3 if self.total_ms else 0.0
+
+    def __str__(self) -> str:
+        return (f"{self.new_tokens} tokens in {self.total_ms / 1e3:.2f} s "
+                f"({self.tokens_per_second:.2f} tokens/s): "
+                f"{self.passes} verify passes of {self.tree_tokens} tokens (draft {self.draft}, width "
+                f"{self.width}, depth {self.depth}), {self.accepted_per_pass:.2f} drafted tokens accepted "
+                f"per pass; prefill {self.prefill_ms:.0f} ms, draft {self.draft_ms:.0f} ms, verify "
+                f"{self.verify_ms:.0f} ms")
+
+
+@dataclass(frozen=True)
+class Generation:
+    """tokens: (1, prompt + new) int64, on the CPU; logits: (new, vocab), the target's logits each new
+    token was chosen from (when asked for), else None."""
+
+    tokens: torch.Tensor
+    stats: GenerationStats
+    logits: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def new_tokens(self) -> torch.Tensor:
+        """(new,) int64: the generated tokens alone."""
+        return self.tokens[0, self.tokens.shape[1] - self.stats.new_tokens:]
+
+
+def _eos_ids(model, eos_token_id) -> set[int]:
+    if eos_token_id is None:
+        config = getattr(model, "generation_config", None)
+        eos_token_id = getattr(config, "eos_token_id", None)
+    if eos_token_id is None:
+        return set()
+    return {int(t) for t in ([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)}
+
+
+def _device(model: nn.Module) -> torch.device:
+    return model.get_input_embeddings().weight.device
+
+
+def generate(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    max_new_tokens: int = 64,
+    *,
+    draft: object = "prompt-lookup",
+    width: int = 4,
+    depth: int = 6,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+    eos_token_id: int | list[int] | None = None,
+    compile: bool | str = False,
+    cache_memory: int | str | None = None,
+    output_logits: bool = False,
+    progress: bool = False,
+) -> Generation:
+    """Generate up to `max_new_tokens` tokens after `input_ids` (1, prompt) or (prompt,) with speculative
+    decoding; `model` is a causal LM, offloaded with `ws.offload` or resident.
+
+    draft: "prompt-lookup" (n-grams of the context, no weights), a small causal LM with the model's
+    tokenizer (an nn.Module, on the model's device), None (one token per pass) or a `Draft`.
+    width, depth: the tree of every verify pass, `1 + width * depth` tokens (width 1: a chain).
+    do_sample: rejection sampling from the model's distribution under temperature / top_k / top_p (as
+    transformers' generate), drawn from `generator` (a CPU torch.Generator; seeded runs repeat); else
+    greedy: the tokens equal the model's own greedy decoding wherever a forward over the tree ranks the
+    tokens as a one-token forward does. eos_token_id: stop after it (default: the model's
+    generation_config). compile: torch.compile(fullgraph=True) of the verify and draft forwards, or a
+    compile mode ("reduce-overhead": CUDA graphs); the prefill runs eagerly. cache_memory: bytes (or
+    "2GiB") the KV caches and a verify pass may take (default: the GPU's free memory; no limit on the
+    CPU). output_logits: keep the logits each token was chosen from. progress: a tqdm bar with tokens/s.
+
+    Raises ArgumentError for a model that is not a causal LM, a draft of another vocabulary, a tree or
+    length the model cannot take; BudgetError where the caches do not fit (with the bytes they need).
+    """
+    vocab = check_causal_lm(model)
+    ids = input_ids.reshape(1, -1) if input_ids.dim() == 1 else input_ids
+    if ids.dim() != 2 or ids.shape[0] != 1 or ids.shape[1] == 0:
+        raise ArgumentError(f"input_ids of shape {tuple(input_ids.shape)}: give one non-empty prompt, (1, "
+                            "tokens) or (tokens,); speculative generation runs batch 1")
+    if max_new_tokens < 1:
+        raise ArgumentError(f"max_new_tokens={max_new_tokens}: generate at least 1 token")
+    if do_sample and temperature <= 0:
+        raise ArgumentError(f"temperature={temperature}: sample at a temperature above 0, or do_sample=False")
+    drafter = resolve_draft(draft, compile)
+    shape = TreeShape(width, depth) if draft is not None else TreeShape(1, 0)
+    draft_model = drafter.model if isinstance(drafter, DraftModel) else None
+    if draft_model is not None:
+        check_draft_vocabulary(vocab, check_causal_lm(draft_model, "draft"))
+    prompt = ids[0].to("cpu", torch.long)
+    length = check_length(model.config, prompt.numel(), max_new_tokens, shape.depth)
+    if draft_model is not None:
+        check_length(draft_model.config, prompt.numel(), max_new_tokens, shape.depth)
+    length = max(length, prompt.numel() + max_new_tokens - 1 + shape.tokens)  # the last tree's slots
+    device = _device(model)
+    need = generation_bytes(model, draft_model, length, shape.tokens, vocab)
+    if cache_memory is not None:
+        check_memory(need, parse_size(cache_memory), "cache_memory")
+    elif device.type == "cuda":
+        check_memory(need, torch.cuda.mem_get_info(device)[0], f"{device} (free)")
+    if draft_model is not None and _device(draft_model) != device:
+        raise ArgumentError(f"the draft model is on {_device(draft_model)} and the model on {device}: move "
+                            f"the draft to {device} (it stays resident)")
+
+    eos = _eos_ids(model, eos_token_id)
+    cache = TreeCache(model.config.num_hidden_layers, length)
+    forward = TreeForward(model, cache, device, model.dtype, compile)
+    kept: list[torch.Tensor] = []
+
+    def choose(logits: torch.Tensor) -> int:
+        if not do_sample:
+            return int(logits.argmax())
+        probs = target_probs(logits[None], temperature, top_k, top_p)[0].to("cpu", torch.float64)
+        return int(torch.multinomial(probs, 1, generator=generator))
+
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=max_new_tokens, desc="generate", unit="tok", disable=not progress, file=sys.stderr)
+    began = time.perf_counter()
+    logits = forward.prefill(prompt)[-1]
+    drafter.begin(prompt, length, device)
+    emitted = [choose(logits)]
+    if output_logits:
+        kept.append(logits[None].cpu())
+    prefill_ms = (time.perf_counter() - began) * 1e3
+    bar.update(1)
+    accepted: list[int] = []
+    draft_ms = verify_ms = 0.0
+    context = torch.cat([prompt, torch.tensor(emitted)])
+    while len(emitted) < max_new_tokens and emitted[-1] not in eos:
+        start = context.numel() - 1  # the root's position: every token before it is in the cache
+        t0 = time.perf_counter()
+        tree = drafter.propose(context, shape)
+        t1 = time.perf_counter()
+        logits = forward.run(tree.tokens, tree_positions(shape, start), torch.arange(shape.tokens) + start,
+                             tree_mask(tree, start, length))
+        if do_sample:
+            probs = target_probs(logits, temperature, top_k, top_p)
+            path, token = walk_sampled(tree, lambda node, p=probs: p[node].to("cpu", torch.float64),
+                                       generator)
+        else:
+            path, token = walk_greedy(tree, logits.argmax(dim=-1).cpu())
+        src, dst = path_moves(path, start, shape.depth)
+        cache.move(src, dst)
+        drafter.accept(path, start)
+        t2 = time.perf_counter()
+        draft_ms += (t1 - t0) * 1e3
+        verify_ms += (t2 - t1) * 1e3
+        accepted.append(len(path) - 1)
+        new = [int(tree.tokens[n]) for n in path[1:]] + [token]
+        stop = next((i for i, t in enumerate(new) if t in eos), len(new) - 1) + 1
+        keep = min(stop, max_new_tokens - len(emitted))
+        new, rows = new[:keep], path[:keep]
+        emitted += new
+        if output_logits:
+            kept.append(logits[rows].cpu())
+        context = torch.cat([context, torch.tensor(new)])
+        bar.update(len(new))
+        elapsed = time.perf_counter() - began
+        bar.set_postfix(tok_s=f"{len(emitted) / elapsed:.2f}",
+                        accepted=f"{sum(accepted) / len(accepted):.2f}")
+    bar.close()
+    stats = GenerationStats(
+        new_tokens=len(emitted), passes=len(accepted), accepted=tuple(accepted), prefill_ms=prefill_ms,
+        draft_ms=draft_ms, verify_ms=verify_ms, total_ms=(time.perf_counter() - began) * 1e3,
+        width=shape.width, depth=shape.depth, draft=drafter.name)
+    return Generation(context[None], stats, torch.cat(kept) if output_logits else None)

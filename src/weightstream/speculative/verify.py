@@ -1,0 +1,80 @@
+"""One forward of a causal LM over tokens at chosen positions, with a 4-D mask, into a `TreeCache`.
+
+Every forward of the generation loop goes through `TreeForward`: the prefill (a causal mask), the
+verify pass over a tree (the tree's ancestor mask) and a draft model's steps. Inputs are copied into
+static buffers, one set per token count, so a compiled forward (`fullgraph=True`) sees the same tensors
+every pass and replays from a CUDA graph; the prefill, whose length is the prompt's, always runs eagerly.
+A 4-D float mask (0 where a token may attend, the dtype's minimum elsewhere) is what transformers 5
+passes through to eager and SDPA attention unchanged, for every decoder built on its masking utilities.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import nn
+
+from .cache import TreeCache
+from .tree import causal_mask
+
+
+def cache_keyword(model: nn.Module) -> str:
+    """The name `model.forward` takes its KV cache by: `cache` (transformers >= 5.2x) or `past_key_values`."""
+    parameters = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
+
+
+class TreeForward:
+    """`model` over `cache`: call it with tokens, positions, cache positions and a bool mask; get the
+    logits (count, vocab). compile: False, True (`torch.compile(fullgraph=True)`) or a compile mode
+    such as "reduce-overhead" (CUDA graphs); it applies to `step`, never to `prefill`."""
+
+    def __init__(self, model: nn.Module, cache: TreeCache, device: torch.device, dtype: torch.dtype,
+                 compile: bool | str = False) -> None:
+        self.model, self.cache, self.device, self.dtype = model, cache, device, dtype
+        self.keyword = cache_keyword(model)
+        self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._step = self._forward
+        if compile:
+            mode = compile if isinstance(compile, str) else None
+            self._step = torch.compile(self._forward, fullgraph=True, mode=mode)
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                         **{self.keyword: self.cache})
+        return out.logits[0]
+
+    def _inputs(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor):
+        count, length = mask.shape
+        buffers = self._buffers.get(count)
+        if buffers is None:
+            buffers = self._buffers[count] = (
+                torch.empty(1, count, dtype=torch.long, device=self.device),
+                torch.empty(1, count, dtype=torch.long, device=self.device),
+                torch.empty(1, 1, count, length, dtype=self.dtype, device=self.device),
+            )
+        ids, pos, additive = buffers
+        ids.copy_(tokens.view(1, count))
+        pos.copy_(positions.view(1, count))
+        blocked = torch.finfo(self.dtype).min
+        additive.copy_(torch.where(mask, 0.0, blocked).to(self.dtype).view(1, 1, count, length))
+        return ids, pos, additive
+
+    def run(self, tokens: torch.Tensor, positions: torch.Tensor, write_at: torch.Tensor, mask: torch.Tensor,
+            compiled: bool = True) -> torch.Tensor:
+        """Logits (count, vocab) of `tokens` (count,) at position ids `positions` (count,), their keys and
+        values written at cache positions `write_at` (count,), each attending where `mask` (count, cache
+        length) is True. compiled: use the compiled forward where one was asked for."""
+        with torch.no_grad():
+            self.cache.set_write_positions(write_at, self.device)
+            inputs = self._inputs(tokens, positions, mask)
+            forward = self._step if compiled else self._forward
+            return forward(*inputs).clone()  # a CUDA graph's output is overwritten by its next replay
+
+    def prefill(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """Logits of `tokens` (count,) written at [start, start + count) with a causal mask, eagerly."""
+        count = tokens.numel()
+        positions = torch.arange(count) + start
+        return self.run(tokens, positions, positions, causal_mask(start, count, self.cache.length),
+                        compiled=False)
