@@ -154,6 +154,52 @@ def qwen3_moe(seed: int = 0):
                                    num_experts_per_tok=2), seed, use_cache=False)
 
 
+def mixtral(seed: int = 0):
+    from transformers import MixtralConfig
+
+    config = MixtralConfig(**_DECODER, num_local_experts=4, num_experts_per_tok=2)
+    return _decoder(config, seed, use_cache=False)
+
+
+def qwen2_moe(seed: int = 0):
+    from transformers import Qwen2MoeConfig
+
+    return _decoder(Qwen2MoeConfig(**_DECODER, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                                   num_experts=4, num_experts_per_tok=2), seed, use_cache=False)
+
+
+def olmoe(seed: int = 0):
+    from transformers import OlmoeConfig
+
+    config = OlmoeConfig(**_DECODER, num_experts=6, num_experts_per_tok=2, eos_token_id=None)
+    return _decoder(config, seed, use_cache=False)
+
+
+def deepseek_v2(seed: int = 0):
+    """DeepSeek-V2-Lite's structure: MLA attention (no query LoRA), a dense first layer, routed experts
+    beside shared ones."""
+    from transformers import DeepseekV2Config
+
+    config = DeepseekV2Config(**_DECODER, moe_intermediate_size=32, n_routed_experts=6, num_experts_per_tok=2,
+                              n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=None,
+                              qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, n_group=1, topk_group=1,
+                              rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    return _decoder(config, seed, use_cache=False)
+
+
+def gpt_oss(seed: int = 0):
+    """GPT-OSS's structure in the model's own dtype (no MXFP4): fused experts with biases, attention
+    sinks, sliding and full attention layers."""
+    from transformers import GptOssConfig
+
+    rope = {"rope_type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4,
+            "rope_theta": 150000.0, "beta_fast": 32.0, "beta_slow": 1.0}
+    config = GptOssConfig(**_DECODER, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                          sliding_window=4, layer_types=["sliding_attention", "full_attention"] * 2,
+                          rope_parameters=rope)
+    return _decoder(config, seed, use_cache=False)
+
+
 def gemma3_text(seed: int = 0):
     from transformers import Gemma3TextConfig
 
@@ -180,7 +226,12 @@ def llama_static_cache(seed: int = 0):
 
 ZOO = {"flux": flux, "sd3": sd3, "wan": wan, "unet": unet, "vae": vae, "clip": clip, "t5_encoder": t5_encoder,
        "jamba": jamba, "sequential": sequential, "qwen3": qwen3, "qwen3_moe": qwen3_moe,
-       "gemma3_text": gemma3_text, "falcon_h1": falcon_h1, "llama_static_cache": llama_static_cache}
+       "gemma3_text": gemma3_text, "falcon_h1": falcon_h1, "llama_static_cache": llama_static_cache,
+       "mixtral": mixtral, "qwen2_moe": qwen2_moe, "olmoe": olmoe, "deepseek_v2": deepseek_v2,
+       "gpt_oss": gpt_oss}
+
+# the mixtures of experts above, whose checkpoints transformers saves per expert (gpt_oss: fused)
+MOE = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "gpt_oss", "jamba"]
 
 
 def t5(seed: int = 0):

@@ -80,9 +80,10 @@ class ModelGuards:
         entry, g, sl = found
         transfer = self.engine.transfer
         if g < len(self.engine.groups) and transfer.on_disk(g):
-            stored = next(st for st, s in transfer.disk.groups[g] if s.offset == sl.offset)
             raw = torch.empty(sl.nbytes, dtype=torch.uint8)
-            read_into(stored, raw)
+            for stored, s in transfer.disk.groups[g]:  # one stored tensor, or the pieces of a fused one
+                if sl.offset <= s.offset < sl.offset + sl.nbytes:
+                    read_into(stored, raw[s.offset - sl.offset : s.offset - sl.offset + s.nbytes])
             return entry.view_of(raw)
         wire = self.engine.wire
         if g < len(wire) and wire[g] is not None:  # compressed in the arena: decode the group

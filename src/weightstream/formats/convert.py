@@ -136,6 +136,14 @@ def _transformers_rules():
                 rename=rename_source_key)
 
 
+def _is_transformers_model(model: nn.Module) -> bool:
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return False
+    return isinstance(model, PreTrainedModel)
+
+
 @dataclass
 class _Block:
     """A tensor during the simulated conversion: its shape and where each stored tensor sits in it
@@ -163,7 +171,8 @@ def _cat(blocks: list[_Block], dim: int, name: str, folder: Path) -> _Block:
     rest = {b.shape[:dim] + b.shape[dim + 1:] for b in blocks}
     if len(rest) != 1 or any(len(b.shape) != ndim for b in blocks):
         raise CheckpointError(f"{folder}: the tensors concatenated into {name} have shapes "
-                              f"{[list(b.shape) for b in blocks]}: the checkpoint does not match config.json")
+                              f"{[list(b.shape) for b in blocks]}: an expert is missing from the checkpoint "
+                              "or it does not match config.json")
     reads, offset = [], 0
     for b in blocks:
         for r in b.reads:
@@ -218,7 +227,7 @@ def sources(model: nn.Module, stored: dict[str, StoredTensor], folder: Path
     """Every model tensor the checkpoint's tensors `stored` (by name) make, by the model's state-dict
     name, after transformers' conversion rules for this model; and the stored names that make none."""
     rules = _transformers_rules()
-    if rules is None or not hasattr(model, "base_model_prefix"):
+    if rules is None or not _is_transformers_model(model):
         return {name: Source(name, [Read(s)], s.shape, s.dtype) for name, s in stored.items()}, []
     names = {name: None for name in model.state_dict()}
     try:
@@ -248,7 +257,9 @@ def sources(model: nn.Module, stored: dict[str, StoredTensor], folder: Path
     for layer, (converter, collected) in fused.items():
         for source in _fused_sources(rules, model, layer, converter, dict(collected), folder):
             out.setdefault(source.name, source)
-    return out, unexpected
+    position = {(s.path, s.offset): i for i, s in enumerate(stored.values())}  # the files' order
+    first = {name: min(position[r.stored.path, r.stored.offset] for r in s.reads) for name, s in out.items()}
+    return dict(sorted(out.items(), key=lambda item: first[item[0]])), unexpected
 
 
 def _fused_sources(rules, model: nn.Module, layer: str, converter, collected: dict[str, list[StoredTensor]],
