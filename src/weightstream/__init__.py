@@ -3,11 +3,15 @@
     import weightstream as ws
     handle = ws.offload(model, gpu_memory="6GiB")   # in place; the model stays an nn.Module
     print(handle.stats)
+    out = ws.generate(model, input_ids, max_new_tokens=64, draft="prompt-lookup")  # speculative decoding
     handle.restore()
     handle = ws.offload(pipe, gpu_memory="12GiB")  # a diffusers pipeline: one budget for all its models
     config = ws.OffloadConfig("6GiB", compress=False)  # the arguments, validated once; offload(model, config)
 """
 
+# `weightstream.generate` names the CLI's module too: loaded here, before the function takes the name,
+# no later import of the module rebinds `ws.generate`
+from . import generate as _generate_command  # noqa: F401
 from .config import OffloadConfig
 from .errors import (
     ArgumentError,
@@ -27,12 +31,15 @@ from .placement.plan import Placement
 from .placement.probe import H200 as REFERENCE_PROFILE
 from .placement.probe import MachineProfile
 from .sizes import format_size, parse_size
+from .speculative import Generation, GenerationStats, generate
 
 __all__ = [
     "REFERENCE_PROFILE",
     "ArgumentError",
     "BudgetError",
     "CheckpointError",
+    "Generation",
+    "GenerationStats",
     "HostMemoryError",
     "InferenceOnlyError",
     "MachineProfile",
@@ -48,6 +55,7 @@ __all__ = [
     "WeightstreamError",
     "format_size",
     "from_pretrained",
+    "generate",
     "handle_of",
     "offload",
     "parse_size",
