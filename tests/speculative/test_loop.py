@@ -1,0 +1,154 @@
+"""`ws.generate` on the CPU: offloaded equals resident (tokens and logits), greedy speculative equals
+plain greedy, every draft kind, greedy and seeded sampling, stopping, stats."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import make_model, weight_bytes
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import weightstream as ws
+from weightstream.speculative import DraftModel, PromptLookup
+
+
+def repetitive_prompt(seed: int, length: int = 24, alphabet: int = 6) -> torch.Tensor:
+    """A prompt over a few tokens, so its n-grams repeat and prompt lookup finds drafts."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, alphabet, (1, length), generator=gen)
+
+
+def plain_greedy(model, ids: torch.Tensor, n: int) -> torch.Tensor:
+    return model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, eos_token_id=None,
+                          pad_token_id=0, attention_mask=torch.ones_like(ids))
+
+
+def offloaded(model, fraction: float = 0.5):
+    ws.offload(model, gpu_memory=int(weight_bytes(model) * fraction), device="cpu", strategy="stream")
+    return model
+
+
+@pytest.fixture(scope="module")
+def resident_and_offloaded():
+    ref = make_model("llama")
+    return ref, offloaded(copy.deepcopy(ref))
+
+
+DRAFTS = ["prompt-lookup", "model", None]
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+@pytest.mark.parametrize("draft", DRAFTS)
+def test_offloaded_speculative_generation_equals_the_resident_run(resident_and_offloaded, draft, do_sample):
+    ref, model = resident_and_offloaded
+    draft_model = make_model("llama", seed=0 if do_sample else 1)  # one accepts all, one almost nothing
+    runs = []
+    for target in (ref, model):
+        runs.append(ws.generate(
+            target, repetitive_prompt(1), 16, draft=draft_model if draft == "model" else draft, width=3,
+            depth=3, do_sample=do_sample, temperature=0.9, generator=torch.Generator().manual_seed(5),
+            eos_token_id=[], output_logits=True))
+    resident, streamed = runs
+    assert torch.equal(streamed.tokens, resident.tokens)
+    assert torch.equal(streamed.logits, resident.logits)
+    assert streamed.stats.accepted == resident.stats.accepted
+    assert streamed.logits.shape == (16, 128) and streamed.stats.new_tokens == 16
+    assert ws.handle_of(model).stats.misses == 0
+
+
+def test_the_logits_kept_are_those_each_token_was_chosen_from(resident_and_offloaded):
+    ref, _ = resident_and_offloaded
+    ids = repetitive_prompt(2)
+    out = ws.generate(ref, ids, 10, draft="prompt-lookup", eos_token_id=[], output_logits=True)
+    assert torch.equal(out.logits.argmax(dim=-1), out.new_tokens)
+    full = ref(out.tokens).logits[0, ids.shape[1] - 1:-1]  # one causal forward over the result
+    assert torch.allclose(out.logits, full, atol=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "mixtral", "gpt2"])
+def test_greedy_speculative_equals_plain_greedy_for_each_architecture(arch):
+    model = make_model(arch)
+    ids = repetitive_prompt(3)
+    want = plain_greedy(model, ids, 12)
+    for draft in ("prompt-lookup", copy.deepcopy(model)):
+        out = ws.generate(model, ids, 12, draft=draft, width=2, depth=4, eos_token_id=[])
+        assert torch.equal(out.tokens, want)
+
+
+@pytest.fixture(scope="module")
+def greedy_setup():
+    model = make_model("llama")
+    return model, {"copy": copy.deepcopy(model), "other": make_model("llama", seed=7)}
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                 HealthCheck.function_scoped_fixture])
+@given(seed=st.integers(0, 10_000), length=st.integers(1, 20), alphabet=st.integers(2, 128),
+       width=st.integers(1, 3), depth=st.integers(1, 5),
+       draft=st.sampled_from(["prompt-lookup", "copy", "other"]))
+def test_greedy_speculative_equals_plain_greedy_over_prompts_and_trees(greedy_setup, seed, length, alphabet,
+                                                                       width, depth, draft):
+    model, drafts = greedy_setup
+    ids = repetitive_prompt(seed, length, alphabet)
+    out = ws.generate(model, ids, 10, draft=drafts.get(draft, draft), width=width, depth=depth,
+                      eos_token_id=[])
+    assert torch.equal(out.tokens, plain_greedy(model, ids, 10))
+
+
+def test_a_draft_that_is_the_model_has_every_token_accepted():
+    model = make_model("llama")
+    out = ws.generate(model, repetitive_prompt(4), 21, draft=copy.deepcopy(model), width=1, depth=4,
+                      eos_token_id=[])
+    assert out.stats.accepted == (4,) * 4  # 1 from the prefill, then 4 passes of 4 drafted + 1
+    assert out.stats.passes == 4 and out.stats.tokens_per_pass == 5.0 and out.stats.draft == "model"
+
+
+def test_generation_stops_after_the_end_token_and_at_max_new_tokens():
+    model = make_model("llama")
+    ids = repetitive_prompt(5)
+    want = plain_greedy(model, ids, 12)[0, ids.shape[1]:]
+    eos = int(want[6])
+    first = int((want == eos).nonzero()[0])
+    out = ws.generate(model, ids, 12, draft=copy.deepcopy(model), width=2, depth=3, eos_token_id=eos)
+    assert out.new_tokens.tolist() == want[: first + 1].tolist()
+    hf = model.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=eos, pad_token_id=0,
+                        attention_mask=torch.ones_like(ids))
+    assert torch.equal(out.tokens, hf)
+    for n in (1, 2, 7):
+        out = ws.generate(model, ids, n, draft=copy.deepcopy(model), width=2, depth=3, eos_token_id=[])
+        assert out.new_tokens.tolist() == want[:n].tolist() and out.stats.new_tokens == n
+
+
+def test_seeded_sampling_repeats_and_follows_its_seed():
+    model = make_model("llama")
+    ids = repetitive_prompt(6)
+
+    def run(seed):
+        return ws.generate(model, ids, 12, draft=PromptLookup(), do_sample=True, top_k=20, top_p=0.95,
+                           generator=torch.Generator().manual_seed(seed), eos_token_id=[]).tokens
+
+    assert torch.equal(run(1), run(1))
+    assert not all(torch.equal(run(1), run(seed)) for seed in (2, 3, 4))
+
+
+def test_stats_count_passes_and_the_bar_shows_tokens_per_second(capsys):
+    model = make_model("llama")
+    out = ws.generate(model, repetitive_prompt(7), 9, draft=DraftModel(copy.deepcopy(model)), width=2,
+                      depth=2, eos_token_id=[], progress=True)
+    stats = out.stats
+    assert stats.passes == len(stats.accepted) and stats.new_tokens == 9 and stats.tree_tokens == 5
+    assert 1 + sum(stats.accepted) + stats.passes >= 9 > sum(stats.accepted[:-1]) + stats.passes  # last cut
+    assert stats.accepted_per_pass == sum(stats.accepted) / stats.passes and stats.tokens_per_second > 0
+    assert stats.verify_ms > 0 and stats.draft_ms > 0 and "verify passes of 5 tokens" in str(stats)
+    assert "tok_s" in capsys.readouterr().err
+
+
+def test_no_draft_decodes_one_token_per_pass():
+    model = make_model("llama")
+    ids = repetitive_prompt(8)
+    out = ws.generate(model, ids, 6, draft=None, eos_token_id=[])
+    assert out.stats.tree_tokens == 1 and out.stats.accepted == (0,) * 5
+    assert torch.equal(out.tokens, plain_greedy(model, ids, 6))
