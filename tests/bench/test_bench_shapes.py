@@ -39,3 +39,42 @@ def test_inputs_are_fixed_per_seed_and_shaped_by_the_phase():
 
 def test_a_shape_too_big_for_the_gpu_is_built_on_the_cpu():
     assert shapes.build_device(10, torch.device("cpu")) == (torch.device("cpu"), "built on the CPU device")
+
+
+def test_moe_shapes_record_what_differs_from_the_published_model():
+    assert "bf16" in shapes.get_shape("gpt-oss-20b").record()["note"]
+    assert "plan only" in shapes.get_shape("qwen3-235b-a22b").record()["note"]
+    assert "note" not in shapes.get_shape("qwen3-30b-a3b").record()
+
+
+@pytest.mark.parametrize("name, experts, top_k", [("qwen3-30b-a3b", 128, 8), ("gpt-oss-20b", 32, 4),
+                                                  ("deepseek-v2-lite", 64, 6), ("qwen3-235b-a22b", 128, 8)])
+def test_moe_shapes_plan_routed_reads_at_decode_and_copies_at_prefill(name, experts, top_k):
+    """Fused 3-D experts are counted as routed: at one token a block reads top_k of its experts, so
+    blocks off the GPU are read in place; at 2048 tokens every expert is reached and copies win."""
+    import weightstream as ws
+    from weightstream.placement.prepare import prepare
+    from weightstream.placement.shapes import meta_model
+
+    model = meta_model(name)
+    decode = prepare(model, gpu_memory="8GiB", device="cpu", allow_meta=True, profile=ws.REFERENCE_PROFILE)
+    cost = decode.cost
+    assert (cost.experts, cost.top_k) == (experts, top_k)
+    assert sum(cost.routed_bytes) > 0.9 * sum(cost.block_bytes)  # the experts are most of every block
+    assert decode.placement.kind == "uva" and len(decode.placement.uva) > len(cost.block_bytes) // 2
+    read = sum(sum(n for n, _ in cost.reads(b, 1)) for b in decode.placement.uva)
+    uva_bytes = sum(cost.block_bytes[b] for b in decode.placement.uva)
+    assert read < 0.25 * uva_bytes  # routed experts only (plus the dense part)
+    prefill = prepare(model, gpu_memory="8GiB", device="cpu", allow_meta=True, tokens=2048,
+                      profile=ws.REFERENCE_PROFILE)
+    assert prefill.placement.kind == "stream" and not prefill.placement.uva
+
+
+def test_a_shape_host_memory_cannot_hold_is_refused_with_plan_as_the_way_out(monkeypatch):
+    from weightstream.engine import host
+
+    monkeypatch.setattr(host, "available_host_bytes", lambda: 2**30)
+    with pytest.raises(ValueError, match=r"qwen3-30b-a3b: its .* host memory, which has 1.00 GiB available: "
+                                         r"plan it instead \(weightstream plan qwen3-30b-a3b"):
+        shapes.check_shape(shapes.get_shape("qwen3-30b-a3b"), torch.device("cpu"))
+    shapes.check_shape(shapes.get_shape("tiny-moe"), torch.device("cpu"))  # tiny shapes: never refused

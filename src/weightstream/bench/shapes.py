@@ -54,15 +54,18 @@ class ModelKind(Protocol):
 
 @dataclass(frozen=True)
 class Shape:
-    """A named model shape: config fields (with `model_type`) and its model kind."""
+    """A named model shape: config fields (with `model_type`), its model kind, and a note on how it
+    differs from the published model (recorded with every result)."""
 
     name: str
     fields: dict
     model: ModelKind = CAUSAL_LM
+    note: str = ""
 
     def record(self) -> dict:
-        """The document's `shape` entry: name, config fields, dtype."""
-        return {"name": self.name, **self.fields, "dtype": self.model.dtype_name}
+        """The document's `shape` entry: name, config fields, dtype (and the note, where there is one)."""
+        return {"name": self.name, **self.fields, "dtype": self.model.dtype_name,
+                **({"note": self.note} if self.note else {})}
 
 
 # A test-sized Llama, local to the bench (not a planning shape): CPU smoke runs of the whole harness.
@@ -77,8 +80,15 @@ TINY_MOE = dict(  # the same, as a Mixtral: expert weights fused per block, rout
 # Wide enough that lossless compression pays (TINY's 64-wide tensors are mostly per-tensor overhead:
 # its compressed groups would not fit a landing buffer under 0.95 of the slot): ws-auto-compress on CPU
 TINY_WIDE = dict(TINY, hidden_size=256, intermediate_size=512)
+# what a planning shape's random-weight build leaves out of the published model
+NOTES = {
+    "gpt-oss-20b": "experts in bf16, not the published MXFP4 (4.25 bits a weight, whose kernels this build "
+                   "does not use): about 3.8x the published expert bytes",
+    "qwen3-235b-a22b": "470 GB of bf16 weights: plan only (`weightstream plan qwen3-235b-a22b`) where host "
+                       "memory cannot hold them",
+}
 SHAPES = {
-    **{name: Shape(name, fields) for name, fields in PLANNING_SHAPES.items()},
+    **{name: Shape(name, fields, note=NOTES.get(name, "")) for name, fields in PLANNING_SHAPES.items()},
     "tiny": Shape("tiny", TINY),
     "tiny-moe": Shape("tiny-moe", TINY_MOE),
     "tiny-wide": Shape("tiny-wide", TINY_WIDE),
@@ -113,6 +123,24 @@ def check_shape(shape: Shape, device: torch.device) -> None:
 
         if import_error(module):
             raise ValueError(f"--shape {shape.name}: {import_error(module)}")
+    check_host_memory(shape, device)
+
+
+def check_host_memory(shape: Shape, device: torch.device) -> None:
+    """Raise ValueError when `shape`'s weights would be built on the CPU (they do not fit `device` with
+    HEADROOM_BYTES to spare) and host memory cannot hold them: such a shape is for planning only."""
+    from ..engine.host import available_host_bytes
+
+    available = available_host_bytes()
+    if available is None or shape.name not in PLANNING_SHAPES:
+        return
+    weights = shape_weight_bytes(shape.name)
+    if weights <= available or build_device(weights, device)[0].type == "cuda":
+        return
+    raise ValueError(
+        f"--shape {shape.name}: its {format_size(weights)} of random weights would be built in host memory, "
+        f"which has {format_size(available)} available: plan it instead (weightstream plan {shape.name} "
+        "--gpu-memory ...), or run a smaller shape")
 
 
 def check_phase(shape: Shape, phase: Phase) -> None:

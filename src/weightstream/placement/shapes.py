@@ -29,6 +29,31 @@ SHAPES = {
         num_attention_heads=32, num_key_value_heads=8, vocab_size=32000, num_local_experts=8,
         num_experts_per_tok=2,
     ),
+    # fine-grained mixtures of experts, from the published configs (fields that only change weights' sizes
+    # or routing; rotary scaling as the config class's default)
+    "qwen3-30b-a3b": dict(
+        model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+        num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+        num_experts_per_tok=8, norm_topk_prob=True, vocab_size=151936, tie_word_embeddings=False,
+    ),
+    "qwen3-235b-a22b": dict(  # 470 GB of bf16 weights: plan only where host memory cannot hold them
+        model_type="qwen3_moe", hidden_size=4096, intermediate_size=12288, moe_intermediate_size=1536,
+        num_hidden_layers=94, num_attention_heads=64, num_key_value_heads=4, head_dim=128, num_experts=128,
+        num_experts_per_tok=8, norm_topk_prob=True, vocab_size=151936, tie_word_embeddings=False,
+    ),
+    "gpt-oss-20b": dict(  # experts in bf16: the published MXFP4 experts need kernels not used here
+        model_type="gpt_oss", hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,
+        num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=32,
+        num_experts_per_tok=4, sliding_window=128, vocab_size=201088, tie_word_embeddings=False,
+    ),
+    "deepseek-v2-lite": dict(  # MLA attention, one dense layer, 64 routed experts beside 2 shared
+        model_type="deepseek_v2", hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
+        num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16, n_routed_experts=64,
+        n_shared_experts=2, num_experts_per_tok=6, first_k_dense_replace=1, kv_lora_rank=512,
+        q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, topk_method="greedy",
+        n_group=1, topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=False, vocab_size=102400,
+        tie_word_embeddings=False,
+    ),
 }
 
 
