@@ -36,6 +36,13 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     gen.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     gen.add_argument("--dtype", default=None, help="e.g. bfloat16 (default: the checkpoint's)")
+    gen.add_argument("--speculate", default=None, metavar="{prompt-lookup,DRAFT_FOLDER}",
+                     help="speculative decoding: drafts from n-grams of the context (prompt-lookup) or from "
+                          "a small checkpoint with the same tokenizer (its folder, loaded resident); the "
+                          "model verifies a tree of drafted tokens per forward")
+    gen.add_argument("--tree", default=None, metavar="WIDTHxDEPTH",
+                     help="the drafted tree of each verify forward with --speculate (default 4x6: "
+                          "1 + 4*6 tokens; 1xN is a chain)")
     probe = sub.add_parser("probe", help="measure this GPU's link and GEMM rates for the planner (cached)")
     probe.add_argument("--refresh", action="store_true", help="measure again even if cached")
     plan = sub.add_parser("plan", help="show where a model's weights would go under a budget")
@@ -106,10 +113,21 @@ def _run(args: argparse.Namespace) -> int:
         summary = generate_text(
             args.path, args.prompt, OffloadConfig(args.gpu_memory, device=args.device),
             max_new_tokens=args.max_new_tokens, compile=args.compile, chat=args.chat, dtype=args.dtype,
+            speculate=args.speculate, tree=_tree_option(args),
         )
         print(summary)
         return 0
     return USAGE_ERROR
+
+
+def _tree_option(args: argparse.Namespace) -> str:
+    """--tree, refused without --speculate (it would be ignored)."""
+    from .errors import ArgumentError
+
+    if args.tree is not None and args.speculate is None:
+        raise ArgumentError(f"--tree {args.tree} not used here: a tree is drafted with --speculate only; add "
+                            "--speculate prompt-lookup (or a draft folder), or drop --tree")
+    return args.tree or "4x6"
 
 
 def _check_plan_options(args: argparse.Namespace, pipeline: bool) -> None:

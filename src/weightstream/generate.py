@@ -1,4 +1,5 @@
-"""`weightstream generate`: load a local checkpoint offloaded, stream the generated text, summarize."""
+"""`weightstream generate`: load a local checkpoint offloaded, stream the generated text, summarize.
+With `speculate`, the text comes from speculative decoding (`ws.generate`) and is printed at the end."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from .errors import ArgumentError, CheckpointError
 from .formats.hf import checkpoint_folder, from_pretrained, model_class, read_config
 from .offload import handle_of
 from .sizes import format_size
+from .speculative import GenerationStats
+from .speculative import generate as speculative_generate
 
 
 @dataclass(frozen=True)
@@ -25,6 +28,7 @@ class GenerationSummary:
     first_token_seconds: float
     gpu_allocated_bytes: int | None
     pinned_bytes: int
+    speculation: GenerationStats | None = None
 
     @property
     def tokens_per_second(self) -> float:
@@ -32,9 +36,15 @@ class GenerationSummary:
 
     def __str__(self) -> str:
         gpu = "n/a (CPU)" if self.gpu_allocated_bytes is None else format_size(self.gpu_allocated_bytes)
-        return (f"{self.new_tokens} tokens in {self.seconds:.2f} s: {self.tokens_per_second:.2f} tokens/s, "
+        text = (f"{self.new_tokens} tokens in {self.seconds:.2f} s: {self.tokens_per_second:.2f} tokens/s, "
                 f"time to first token {self.first_token_seconds * 1000:.0f} ms, GPU allocated {gpu}, "
                 f"pinned {format_size(self.pinned_bytes)}")
+        spec = self.speculation
+        if spec is not None:
+            text += (f"; speculative ({spec.draft}, tree {spec.width}x{spec.depth}): {spec.passes} verify "
+                     f"passes, {spec.accepted_per_pass:.2f} drafted tokens accepted per pass, draft "
+                     f"{spec.draft_ms:.0f} ms, verify {spec.verify_ms:.0f} ms")
+        return text
 
 
 def _load_tokenizer(path: str | os.PathLike):
@@ -78,6 +88,25 @@ def _check_generates(cls: type, folder: os.PathLike) -> None:
             "such as LlamaForCausalLM; `weightstream plan FOLDER` plans any model")
 
 
+def parse_tree(tree: str) -> tuple[int, int]:
+    """"WIDTHxDEPTH" (e.g. "4x6") -> (width, depth); ArgumentError otherwise."""
+    width, sep, depth = tree.lower().partition("x")
+    if not sep or not width.isdigit() or not depth.isdigit() or int(width) < 1 or int(depth) < 1:
+        raise ArgumentError(f"--tree {tree}: give WIDTHxDEPTH with both at least 1, e.g. --tree 4x6 "
+                            "(1xN drafts a chain of N tokens)")
+    return int(width), int(depth)
+
+
+def _load_draft(path: str | os.PathLike, dtype: torch.dtype, device: torch.device):
+    """The draft checkpoint at `path`, resident on `device` in `dtype`."""
+    from transformers import AutoModelForCausalLM
+
+    folder = checkpoint_folder(path)
+    _check_generates(model_class(read_config(folder), folder), folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True, dtype=dtype)
+    return model.to(device).eval().requires_grad_(False)
+
+
 def generate_text(
     path: str | os.PathLike,
     prompt: str,
@@ -89,18 +118,27 @@ def generate_text(
     device: str | None = None,
     dtype: str | None = None,
     echo: bool = True,
+    speculate: str | None = None,
+    tree: str = "4x6",
 ) -> GenerationSummary:
     """Load `path` offloaded under `gpu_memory`, generate greedily from `prompt`, print the text as it
     comes (when `echo`), and return the summary. compile: static KV cache and
     `torch.compile(fullgraph=True)` of the forward. chat: wrap the prompt in the tokenizer's chat
-    template. Raises ArgumentError for an empty prompt or fewer than one new token, CheckpointError for
-    a checkpoint of a model that does not generate text (an encoder such as BertModel)."""
+    template. speculate: "prompt-lookup" or the folder of a draft checkpoint with the same tokenizer
+    (loaded resident): speculative decoding with trees of `tree` ("WIDTHxDEPTH") tokens, a progress bar
+    on stderr and the text printed at the end. Raises ArgumentError for an empty prompt or fewer than one
+    new token, CheckpointError for a checkpoint of a model that does not generate text (an encoder such
+    as BertModel)."""
     if not prompt:
         raise ArgumentError("--prompt is empty: give the text to continue, e.g. --prompt 'Hello'")
     if max_new_tokens < 1:
         raise ArgumentError(f"--max-new-tokens {max_new_tokens}: generate at least 1 token")
     if dtype is not None:
         parse_dtype(dtype)  # before anything is loaded
+    width, depth = parse_tree(tree)
+    if speculate is not None and speculate != "prompt-lookup":
+        draft_folder = checkpoint_folder(speculate)  # a missing draft is found before the model loads
+        _check_generates(model_class(read_config(draft_folder), draft_folder), draft_folder)
     folder = checkpoint_folder(path)
     _check_generates(model_class(read_config(folder), folder), folder)  # before the tokenizer or weights
     tokenizer = _load_tokenizer(path)
@@ -114,6 +152,8 @@ def generate_text(
     else:
         ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
     ids = ids.to(handle.device)
+    if speculate is not None:
+        return _speculate(model, tokenizer, ids, speculate, width, depth, max_new_tokens, compile, echo)
     kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, attention_mask=torch.ones_like(ids),
                   pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id or 0, disable_compile=True)
     if compile:
@@ -133,4 +173,29 @@ def generate_text(
             torch.cuda.memory_allocated(handle.device) if handle.device.type == "cuda" else None
         ),
         pinned_bytes=handle.stats.pinned_bytes,
+    )
+
+
+def _speculate(model, tokenizer, ids: torch.Tensor, speculate: str, width: int, depth: int,
+               max_new_tokens: int, compile: bool, echo: bool) -> GenerationSummary:
+    """`generate_text` by speculative decoding with the draft `speculate` names; the text printed at the
+    end."""
+    handle = handle_of(model)
+    draft = (speculate if speculate == "prompt-lookup"
+             else _load_draft(speculate, model.dtype, handle.device))
+    start = time.perf_counter()
+    out = speculative_generate(model, ids, max_new_tokens, draft=draft, width=width, depth=depth,
+                               compile=compile, progress=echo)
+    seconds = time.perf_counter() - start
+    if echo:
+        print(tokenizer.decode(out.new_tokens, skip_special_tokens=True), flush=True)
+    return GenerationSummary(
+        new_tokens=out.stats.new_tokens,
+        seconds=seconds,
+        first_token_seconds=out.stats.prefill_ms / 1e3,
+        gpu_allocated_bytes=(
+            torch.cuda.memory_allocated(handle.device) if handle.device.type == "cuda" else None
+        ),
+        pinned_bytes=handle.stats.pinned_bytes,
+        speculation=out.stats,
     )

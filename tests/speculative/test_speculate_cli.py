@@ -1,0 +1,58 @@
+"""`weightstream generate --speculate` on the CPU: the plain greedy text, and one-line usage errors."""
+
+from __future__ import annotations
+
+import torch
+from conftest import make_model
+from transformers import AutoModelForCausalLM
+
+from weightstream.cli import main
+
+PROMPT = "w5 w9 w33 w17 w5 w9 w33 w17 w5 w9"
+
+
+def greedy_text(folder, tokenizer, n: int) -> str:
+    reference = AutoModelForCausalLM.from_pretrained(folder).eval()
+    ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"]
+    out = reference.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=0,
+                             attention_mask=torch.ones_like(ids))
+    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+def run(folder, *extra: str) -> int:
+    return main(["generate", str(folder), "--prompt", PROMPT, "--gpu-memory", "200KB",
+                 "--max-new-tokens", "10", "--device", "cpu", *extra])
+
+
+def test_prompt_lookup_prints_the_greedy_text_and_the_speculation(checkpoint, capsys):
+    folder, tokenizer = checkpoint
+    assert run(folder, "--speculate", "prompt-lookup", "--tree", "2x3") == 0
+    captured = capsys.readouterr()
+    want = greedy_text(folder, tokenizer, 10)
+    assert want.strip() and want.strip() in captured.out
+    assert "speculative (prompt-lookup, tree 2x3)" in captured.out and "accepted per pass" in captured.out
+    assert "tok_s" in captured.err  # the progress bar
+
+
+def test_a_draft_folder_is_loaded_resident_and_gives_the_same_text(checkpoint, tmp_path, capsys):
+    folder, tokenizer = checkpoint
+    draft = tmp_path / "draft"
+    make_model("llama", seed=3).save_pretrained(draft)
+    assert run(folder, "--speculate", str(draft)) == 0
+    out = capsys.readouterr().out
+    assert greedy_text(folder, tokenizer, 10).strip() in out and "speculative (model, tree 4x6)" in out
+
+
+def test_speculation_mistakes_end_in_one_line_and_exit_2(checkpoint, tmp_path, capsys):
+    folder, _ = checkpoint
+    cases = [
+        (["--speculate", str(tmp_path / "missing")], "is not a folder"),
+        (["--speculate", "prompt-lookup", "--tree", "4-6"], "give WIDTHxDEPTH"),
+        (["--speculate", "prompt-lookup", "--tree", "0x3"], "give WIDTHxDEPTH"),
+        (["--tree", "2x2"], "--tree 2x2 not used here"),
+    ]
+    for extra, message in cases:
+        assert run(folder, *extra) == 2
+        err = capsys.readouterr().err
+        lines = [line for line in err.splitlines() if line.startswith("weightstream generate: ")]
+        assert len(lines) == 1 and message in lines[0], err
