@@ -25,22 +25,24 @@ from weightstream.placement.probe import H200
 pytest.importorskip("diffusers")
 
 
-def tiny_flux_pipeline(seed: int = 0, width: int = 16):
-    """A FluxPipeline of tiny random models; `width` 64 in bf16 gives tensors the codec shrinks."""
+def tiny_flux_pipeline(seed: int = 0, width: int = 16, layers: int = 2):
+    """A FluxPipeline of tiny random models; `width` 64 in bf16 gives tensors the codec shrinks; `layers`
+    blocks in each text encoder and in each of the transformer's two lists."""
     from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
     torch.manual_seed(seed)
     w = width
     clip = CLIPTextModel(CLIPTextConfig(vocab_size=16, hidden_size=w, intermediate_size=4 * w,
-                                        num_hidden_layers=2, num_attention_heads=2, max_position_embeddings=8,
-                                        projection_dim=8, eos_token_id=2, pad_token_id=0, bos_token_id=1))
-    t5 = T5EncoderModel(T5Config(vocab_size=16, d_model=w, d_kv=w // 2, d_ff=4 * w, num_layers=2, num_heads=2,
-                                 pad_token_id=0, eos_token_id=2))
-    transformer = FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=2, num_single_layers=2,
-                                         attention_head_dim=w // 2, num_attention_heads=2,
-                                         joint_attention_dim=w, pooled_projection_dim=w,
-                                         axes_dims_rope=(w // 8, w // 8, w // 4))
+                                        num_hidden_layers=layers, num_attention_heads=2,
+                                        max_position_embeddings=8, projection_dim=8, eos_token_id=2,
+                                        pad_token_id=0, bos_token_id=1))
+    t5 = T5EncoderModel(T5Config(vocab_size=16, d_model=w, d_kv=w // 2, d_ff=4 * w, num_layers=layers,
+                                 num_heads=2, pad_token_id=0, eos_token_id=2))
+    transformer = FluxTransformer2DModel(patch_size=1, in_channels=16, num_layers=layers,
+                                         num_single_layers=layers, attention_head_dim=w // 2,
+                                         num_attention_heads=2, joint_attention_dim=w,
+                                         pooled_projection_dim=w, axes_dims_rope=(w // 8, w // 8, w // 4))
     vae = AutoencoderKL(in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8, 16),
                         down_block_types=("DownEncoderBlock2D",) * 2,
                         up_block_types=("UpDecoderBlock2D",) * 2,
@@ -531,3 +533,273 @@ def test_every_component_reports_the_strategy_it_was_asked_for(strategy):
             assert "slots" not in str(component.stats)
     finally:
         handle.restore()
+
+
+# --- a pipeline folder loaded straight into place: ws.from_pretrained(folder) ----------------------------
+
+
+def saved(pipe, folder) -> str:
+    pipe.save_pretrained(folder)
+    return str(folder)
+
+
+def diffusers_loaded(folder: str, dtype: torch.dtype):
+    """The resident reference: the folder as diffusers loads it in `dtype`."""
+    from diffusers import DiffusionPipeline
+
+    return DiffusionPipeline.from_pretrained(folder, dtype=dtype)
+
+
+def disk_bytes(handle) -> int:
+    return sum(s.disk_bytes for s in handle.stats.components.values())
+
+
+@pytest.fixture(scope="module")
+def bf16_folder(tmp_path_factory):
+    """A saved bf16 FluxPipeline folder, its resident image and state dicts as diffusers loads it."""
+    folder = saved(tiny_flux_pipeline().to(dtype=torch.bfloat16), tmp_path_factory.mktemp("flux"))
+    reference = diffusers_loaded(folder, torch.bfloat16)
+    return folder, generate(reference), state(reference), total_bytes(reference)
+
+
+def test_a_pipeline_folder_loads_into_place_and_generates_the_resident_image(bf16_folder):
+    folder, image, before, total = bf16_folder
+    handle = ws.from_pretrained(folder, gpu_memory=total // 2, device="cpu", strategy="stream",
+                                progress=False)
+    assert isinstance(handle, PipelineHandle)
+    pipe = handle.pipe
+    assert type(pipe).__name__ == "FluxPipeline" and pipe.tokenizer is not None and pipe.scheduler is not None
+    assert set(handle.placements) == {"vae", "text_encoder", "text_encoder_2", "transformer"}
+    assert handle.stats.gpu_bytes <= total // 2
+    assert all(s.groups > 0 for s in handle.stats.components.values())  # every component streams
+    assert disk_bytes(handle) == 0  # no cpu_memory limit: every group in host memory
+    for _ in range(2):
+        assert torch.equal(generate(pipe), image)
+    with pytest.raises(OffloadStateError):
+        ws.offload(pipe, gpu_memory=total // 2, device="cpu")  # already offloaded
+    handle.restore()
+    after = state(pipe)
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    assert all(after[k].dtype == before[k].dtype for k in before)
+
+
+def test_it_equals_the_pipeline_diffusers_loads_offloaded(bf16_folder):
+    folder, image, _, total = bf16_folder
+    offloaded = diffusers_loaded(folder, torch.bfloat16)
+    h = ws.offload(offloaded, gpu_memory=total // 2, device="cpu", strategy="stream")
+    loaded = ws.from_pretrained(folder, gpu_memory=total // 2, device="cpu", strategy="stream",
+                                progress=False)
+    assert torch.equal(generate(offloaded), generate(loaded.pipe))
+    assert torch.equal(generate(loaded.pipe, output_type="latent"), generate(offloaded, output_type="latent"))
+    assert loaded.placements == h.placements  # planned from sizes alone, as offload plans from the models
+    h.restore()
+    loaded.restore()
+
+
+def test_a_cpu_memory_below_the_streamed_groups_keeps_groups_on_disk_exactly(bf16_folder):
+    folder, image, before, total = bf16_folder
+    kwargs = dict(gpu_memory=total // 2, device="cpu", strategy="stream", progress=False)
+    with pytest.raises(BudgetError) as err:
+        ws.from_pretrained(folder, cpu_memory=1000, **kwargs)
+    message = str(err.value)
+    assert "cpu_memory=1000 B cannot hold" in message and "give at least" in message
+    least = err.value.minimum_bytes
+    handle = ws.from_pretrained(folder, cpu_memory=least, **kwargs)  # the least that fits: mostly on disk
+    # every group of a component on disk but two bounce buffers' worth (a component of two groups keeps
+    # them in host memory instead: its buffers would take as much)
+    for name, s in handle.stats.components.items():
+        assert (s.disk_bytes > 0) == (s.groups > 2), name
+    assert handle.stats.components["transformer"].disk_bytes > 0
+    assert torch.equal(generate(handle.pipe), image)
+    assert torch.equal(generate(handle.pipe), image)
+    handle.restore()
+    after = state(handle.pipe)
+    assert all(torch.equal(after[k], before[k]) for k in before)
+    # more host memory keeps more groups off the disk, the denoiser's (called every step) first
+    some = ws.from_pretrained(folder, cpu_memory=least + 40_000, **kwargs)
+    stats = some.stats.components
+    assert 0 < disk_bytes(some) < disk_bytes(handle)
+    assert stats["transformer"].disk_bytes < handle.stats.components["transformer"].disk_bytes
+    assert torch.equal(generate(some.pipe), image)
+    some.restore()
+
+
+@settings(max_examples=200, deadline=None)
+@given(groups=st.lists(st.tuples(st.integers(0, 30), st.lists(st.integers(1, 40), max_size=5),
+                                 st.integers(0, 30)), min_size=1, max_size=4),
+       slack=st.integers(0, 300))
+def test_host_memory_goes_to_the_most_called_components_and_each_gets_what_it_cannot_do_without(groups,
+                                                                                             slack):
+    from weightstream.pipeline import host_shares
+
+    needs = {f"c{i}": (uva, sizes) for i, (uva, sizes, _) in enumerate(groups)}
+    calls = {f"c{i}": c for i, (_, _, c) in enumerate(groups)}
+    least = {n: uva + min(sum(g), 2 * max(g, default=0)) for n, (uva, g) in needs.items()}
+    full = {n: uva + sum(g) for n, (uva, g) in needs.items()}
+    assert host_shares(needs, calls, None) == dict.fromkeys(needs)
+    cpu = sum(least.values()) + slack
+    shares = host_shares(needs, calls, cpu)
+    assert sum(shares.values()) <= cpu
+    assert all(least[n] <= shares[n] <= full[n] for n in needs)
+    assert sum(shares.values()) == min(cpu, sum(full.values()))  # nothing left unused that could help
+    for a in needs:  # a component short of all its groups has none called less often above its least
+        if shares[a] < full[a]:
+            assert all(shares[b] == least[b] for b in needs if calls[b] < calls[a])
+    if sum(least.values()) > 0:
+        with pytest.raises(BudgetError) as err:
+            host_shares(needs, calls, sum(least.values()) - 1)
+        assert err.value.minimum_bytes == sum(least.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_each_component_gets_the_dtypes_diffusers_gives_it(tmp_path, dtype):
+    # fp16: transformers keeps T5's `wo` in float32 (its _keep_in_fp32_modules); float32: stored fp32
+    # weights load in fp32 by default (each component in the dtype its weights are stored in)
+    folder = saved(tiny_flux_pipeline().to(dtype=dtype), tmp_path)
+    reference = diffusers_loaded(folder, dtype)
+    expected = {k: v.dtype for k, v in state(reference).items()}
+    assert dtype == torch.float32 or torch.float32 in expected.values()  # T5's wo at fp16
+    handle = ws.from_pretrained(folder, gpu_memory=total_bytes(reference) // 2, device="cpu",
+                                strategy="stream", progress=False)
+    assert torch.equal(generate(handle.pipe), generate(reference))
+    handle.restore()
+    assert {k: v.dtype for k, v in state(handle.pipe).items()} == expected
+
+
+def test_a_wan_pipeline_keeps_what_diffusers_keeps_in_float32(tmp_path):
+    # WanTransformer3DModel keeps its time embedder and norms in float32 (diffusers'
+    # _keep_in_fp32_modules) when loaded in bfloat16
+    folder = saved(tiny_wan_pipeline().to(dtype=torch.bfloat16), tmp_path)
+    reference = diffusers_loaded(folder, torch.bfloat16)
+    kept = [k for k, v in reference.transformer.state_dict().items() if v.dtype == torch.float32]
+    assert kept
+    total = total_bytes(reference)
+    handle = ws.from_pretrained(folder, gpu_memory=total * 6 // 10, device="cpu", strategy="stream",
+                                progress=False)
+    assert torch.equal(generate_kind(handle.pipe), generate_kind(reference))
+    handle.restore()
+    assert [k for k, v in handle.pipe.transformer.state_dict().items() if v.dtype == torch.float32] == kept
+
+
+def test_a_folder_that_is_neither_a_checkpoint_nor_a_pipeline_is_refused(tmp_path):
+    from weightstream.errors import CheckpointError
+
+    with pytest.raises(CheckpointError, match="no config.json .a model's. nor model_index.json"):
+        ws.from_pretrained(tmp_path, gpu_memory="1GiB", device="cpu")
+
+
+def test_a_missing_or_unbuildable_component_is_named(tmp_path):
+    import json
+    import shutil
+
+    from weightstream.errors import CheckpointError
+
+    folder = tmp_path / "flux"
+    saved(tiny_flux_pipeline(), folder)
+    index = json.loads((folder / "model_index.json").read_text())
+    kwargs = dict(gpu_memory="1GiB", device="cpu", progress=False)
+
+    def index_with(**entries):
+        (folder / "model_index.json").write_text(json.dumps({**index, **entries}))
+
+    index_with(transformer=["diffusers", "FluxTransformer9DModel"])
+    with pytest.raises(CheckpointError, match=r"names the component transformer as "
+                                              r"diffusers.FluxTransformer9DModel, which this diffusers"):
+        ws.from_pretrained(folder, **kwargs)
+    index_with(transformer=["no_such_library", "FluxTransformer2DModel"])
+    with pytest.raises(CheckpointError, match="cannot be imported: install"):
+        ws.from_pretrained(folder, **kwargs)
+    index_with()
+    config = json.loads((folder / "vae" / "config.json").read_text())
+    (folder / "vae" / "config.json").write_text(json.dumps({**config, "block_out_channels": "wide"}))
+    with pytest.raises(CheckpointError, match=r"vae: diffusers cannot build AutoencoderKL from its config"):
+        ws.from_pretrained(folder, **kwargs)
+    shutil.rmtree(folder / "vae")
+    with pytest.raises(CheckpointError, match=r"names the component vae \(AutoencoderKL\), but .* is "
+                                              r"missing"):
+        ws.from_pretrained(folder, **kwargs)
+    with pytest.raises(CheckpointError, match=r"names the component vae"):
+        ws.pipeline.plan_pipeline(str(folder), "1GiB")  # `weightstream plan` says the same
+
+
+def test_missing_weights_and_one_models_arguments_are_refused(tmp_path):
+    from weightstream.errors import CheckpointError
+
+    folder = tmp_path / "flux"
+    saved(tiny_flux_pipeline(), folder)
+    with pytest.raises(ArgumentError, match="tokens, blocks, placement and keep_resident"):
+        ws.from_pretrained(folder, gpu_memory="1GiB", device="cpu", tokens=64, progress=False)
+    (folder / "transformer" / "diffusion_pytorch_model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="transformer has no model.safetensors"):
+        ws.from_pretrained(folder, gpu_memory="1GiB", device="cpu", progress=False)
+
+
+def test_the_load_shows_progress(bf16_folder, capsys):
+    folder, image, _, total = bf16_folder
+    handle = ws.from_pretrained(folder, gpu_memory=total // 2, device="cpu", strategy="stream")
+    err = capsys.readouterr().err
+    assert "loading pipeline" in err and "loading" in err.replace("loading pipeline", "")
+    handle.restore()
+
+
+RSS_CHILD = r"""
+import json, sys
+import torch
+import diffusers
+import weightstream as ws
+from weightstream.pipeline import meta_components
+
+def status(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field))
+
+folder, gpu, cpu, how = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+# imports and the lazily imported modules (the pipeline's, the tokenizers', the models') first, so the
+# peak below counts what a load holds
+diffusers.DiffusionPipeline.from_pretrained(folder, **meta_components(folder))
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # the peak resident set (VmHWM) starts again from the current one
+base = status("VmRSS:")
+if how == "weightstream":
+    kept = ws.from_pretrained(folder, gpu_memory=gpu, cpu_memory=cpu, device="cpu", strategy="stream",
+                              progress=False)
+else:  # the control: the model's bytes held at once
+    kept = torch.ones(int(how), dtype=torch.uint8)
+print(json.dumps({"peak_growth": status("VmHWM:") - base}))
+"""
+
+
+@pytest.mark.slow
+def test_loading_a_pipeline_folder_never_holds_the_whole_model_in_host_memory(tmp_path):
+    """Peak host memory of a load, in a fresh process: it grows by what the budgets hold (on the CPU
+    backend the resident weights are in host memory too) plus a bounce buffer, far below the model;
+    holding the model's bytes at once, measured the same way, grows by all of them."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    if not os.access("/proc/self/clear_refs", os.W_OK):
+        pytest.skip("needs /proc/self/clear_refs to reset the peak resident set")
+    folder = saved(tiny_flux_pipeline(width=256, layers=8).to(dtype=torch.bfloat16), tmp_path / "flux")
+    total = sum(f.stat().st_size for f in (tmp_path / "flux").rglob("*.safetensors"))
+    assert total > 50e6  # tens of MB of weights
+    kwargs = dict(device="cpu", strategy="stream", progress=False)
+    with pytest.raises(BudgetError) as gpu:
+        ws.from_pretrained(folder, gpu_memory=1, **kwargs)
+    with pytest.raises(BudgetError) as cpu:
+        ws.from_pretrained(folder, gpu_memory=gpu.value.minimum_bytes, cpu_memory=1, **kwargs)
+    budgets = gpu.value.minimum_bytes + cpu.value.minimum_bytes
+    assert budgets < total * 0.4
+
+    def peak(how: str) -> int:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+        out = subprocess.run([sys.executable, "-c", RSS_CHILD, folder, str(gpu.value.minimum_bytes),
+                              str(cpu.value.minimum_bytes), how], capture_output=True, text=True, env=env,
+                             timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])["peak_growth"]
+
+    ours, control = peak("weightstream"), peak(str(total))
+    assert control >= total  # the measure sees bytes held at once
+    assert ours < total * 0.5, (ours, budgets, total)

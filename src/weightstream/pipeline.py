@@ -385,7 +385,7 @@ def load_pipeline(path, config: OffloadConfig, *, cpu_memory: int | str | None =
     build_context and load are formats/hf.py's `params_on_meta` and `load_into_place`, passed by its
     `from_pretrained` (which calls this), so this module does not import the checkpoint reader back.
     Returns the `PipelineHandle` (`handle.pipe` is the pipeline); nothing stays allocated on an error."""
-    from diffusers import DiffusionPipeline
+    import diffusers
 
     if config.tokens != 1 or config.blocks is not None or config.placement is not None or (
             config.keep_resident):
@@ -408,7 +408,18 @@ def load_pipeline(path, config: OffloadConfig, *, cpu_memory: int | str | None =
         prep = prepare(m, configs[name], allow_meta=True, predict_wire=False)
         needs[name] = (sum(prep.uva_group_bytes), prep.group_bytes)
     shares = host_shares(needs, calls, host_bytes)
-    pipe = DiffusionPipeline.from_pretrained(folder, **modules)  # the rest as diffusers loads it
+    # the rest as diffusers loads it; the pipeline's own class, since DiffusionPipeline's would load the
+    # components its class marks optional (WanPipeline's transformer) from the files instead
+    from .formats.checkpoint import read_json
+
+    pipeline_class = getattr(diffusers, str(read_json(folder / "model_index.json").get("_class_name")),
+                             diffusers.DiffusionPipeline)
+    pipe = pipeline_class.from_pretrained(folder, **modules)
+    loaded_again = [name for name, m in modules.items() if pipe.components.get(name) is not m]
+    if loaded_again:  # never a second copy of a model in host memory
+        raise CheckpointError(f"{pipeline_class.__name__}.from_pretrained did not take the built "
+                              f"{', '.join(loaded_again)}: load this pipeline with diffusers and call "
+                              "weightstream.offload on it")
     handles: dict[str, OffloadHandle] = {}
     try:
         for name in tqdm(modules, desc="loading pipeline", unit="model", disable=not progress):
@@ -550,7 +561,8 @@ def _keep_in_fp32(model: nn.Module, library: str, dtype: torch.dtype) -> None:
         def keep(name: str) -> bool:
             return any(part in name.split(".") for part in parts)
 
-    upcast: dict[int, torch.Tensor] = {}  # by the tensor it replaces: tied tensors stay one tensor
+    # by the tensor it replaces (kept alive, so no other tensor takes its id): tied tensors stay one
+    upcast: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for prefix, module in model.named_modules():
         for tensors in (module._parameters, module._buffers):
             for name, t in tensors.items():
@@ -559,9 +571,9 @@ def _keep_in_fp32(model: nn.Module, library: str, dtype: torch.dtype) -> None:
                 if id(t) in upcast or keep(f"{prefix}.{name}" if prefix else name):
                     if id(t) not in upcast:
                         fp32 = t.detach().to(torch.float32)
-                        upcast[id(t)] = nn.Parameter(fp32, requires_grad=False) if isinstance(
-                            t, nn.Parameter) else fp32
-                    tensors[name] = upcast[id(t)]
+                        upcast[id(t)] = (t, nn.Parameter(fp32, requires_grad=False) if isinstance(
+                            t, nn.Parameter) else fp32)
+                    tensors[name] = upcast[id(t)][1]
 
 
 def meta_components(folder: str, dtype: torch.dtype | str | None = None,
