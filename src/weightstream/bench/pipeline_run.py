@@ -15,7 +15,14 @@ Methods (`--methods`, run in this order whatever the order given):
   transformer and both text encoders, each on the module holding its block list (as the suite's
   `diffusers-group`); the VAE resident;
 - `diffusers-model_cpu_offload`: `pipe.enable_model_cpu_offload()`, each model moved whole to the GPU;
-- `diffusers-sequential_cpu_offload`: `pipe.enable_sequential_cpu_offload()`, leaf by leaf, pageable.
+- `diffusers-sequential_cpu_offload`: `pipe.enable_sequential_cpu_offload()`, leaf by leaf, pageable;
+- `ws-load[-cpu<size>]` (e.g. `ws-load-cpu16GiB`), run last: the pipeline saved once to a temp folder
+  (`save_pretrained`), the built one then dropped, and `ws.from_pretrained(folder, gpu_memory=budget,
+  cpu_memory=size)` loading it straight into place (no size: no cpu_memory limit); its setup records
+  the load's seconds and the host memory it held at its peak (`host_peak_growth_bytes`: the highest
+  resident set during the load above the one before it, sampled every 10 ms and read from Linux's
+  VmHWM, reset before the load), each component's bytes on disk, and the generation is checked
+  against the resident pipeline's like every method's.
 
 Each method: a warm-up generation of a few steps (3; tiny: 1; learns the run order, warms the kernels),
 then `--reps` timed generations (default 1), the wall clock of the whole `pipe(...)` call between two
@@ -59,8 +66,9 @@ from .schema import ResultRow, write_json
 MIN_START_S = 20.0  # no method starts with less time left of --max-seconds
 PEERS = ("diffusers-group", "diffusers-model_cpu_offload", "diffusers-sequential_cpu_offload")
 WS_RE = re.compile(r"ws-(auto|stream|uva)(-raw|-compress)?")
+LOAD_RE = re.compile(r"ws-load(?:-cpu(\w+))?")  # ws-load-cpu16GiB: cpu_memory="16GiB"
 METHODS = ("resident", *(f"ws-{s}{c}" for s in ("auto", "stream", "uva") for c in ("", "-raw", "-compress")),
-           *PEERS)
+           *PEERS, "ws-load", "ws-load-cpu<size>")
 DEFAULT_METHODS = ("resident", "ws-auto", *PEERS)
 
 
@@ -72,7 +80,7 @@ def check_pipeline(shape: str, phases: list[str], methods: list[str]) -> None:
         if parse_phase(name).kind != "generate":
             raise ValueError(f"--phases {name}: --kind pipeline times whole generations, generate-N (N "
                              "denoising steps)")
-    bad = [m for m in methods if m not in METHODS]
+    bad = [m for m in methods if m not in METHODS[:-1] and not _load_method(m)]
     if bad or not methods:
         raise ValueError(f"--methods {','.join(bad or methods)}: --kind pipeline runs {', '.join(METHODS)}")
 
@@ -127,6 +135,108 @@ def setup(name: str, pipe, budget: int | None, device: torch.device) -> tuple[di
     return {}, pipe.remove_all_hooks
 
 
+def _load_method(name: str) -> bool:
+    """True for `ws-load` and `ws-load-cpu<size>` with a size `parse_size` reads."""
+    from ..sizes import parse_size
+
+    m = LOAD_RE.fullmatch(name)
+    if m is None:
+        return False
+    try:
+        return m.group(1) is None or parse_size(m.group(1)) > 0
+    except ValueError:
+        return False
+
+
+class HostPeak:
+    """The highest resident set size of this process (bytes) while inside, above the one on entering:
+    VmRSS sampled every `every_s` seconds by a thread, and Linux's VmHWM (the kernel's own peak, reset on
+    entering through /proc/self/clear_refs where that is allowed). `before`, `peak`, `growth` in bytes;
+    `exact` tells whether VmHWM could be reset (else the peak is the sampled one)."""
+
+    def __init__(self, every_s: float = 0.01) -> None:
+        self.every_s = every_s
+        self.before = self.peak = self.growth = 0
+        self.exact = False
+
+    @staticmethod
+    def status(field: str) -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field))
+
+    def __enter__(self) -> HostPeak:
+        import threading
+
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # VmHWM starts again from the current resident set
+            self.exact = True
+        except OSError:
+            self.exact = False
+        self.before = self.peak = self.status("VmRSS:")
+        self._stop = threading.Event()
+
+        def sample():
+            while not self._stop.wait(self.every_s):
+                self.peak = max(self.peak, self.status("VmRSS:"))
+
+        self._thread = threading.Thread(target=sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.status("VmRSS:"))
+        if self.exact:
+            self.peak = max(self.peak, self.status("VmHWM:"))
+        self.growth = self.peak - self.before
+
+
+def setup_load(run: Run, name: str, budget: int) -> tuple[dict, object]:
+    """`ws-load[-cpu<size>]`: the pipeline saved (once per run) and dropped, then loaded into place by
+    `from_pretrained` with the host memory sampled; `run.pipe` becomes the loaded pipeline."""
+    import shutil
+    import tempfile
+
+    from ..formats.hf import from_pretrained
+    from ..sizes import parse_size
+
+    cpu = LOAD_RE.fullmatch(name).group(1)
+    cpu_memory = None if cpu is None else parse_size(cpu)
+    info: dict = {"cpu_memory_bytes": cpu_memory}
+    if run.folder is None:
+        t0 = time.perf_counter()
+        run.folder = tempfile.mkdtemp(prefix="weightstream-bench-pipeline-")
+        run.pipe.save_pretrained(run.folder)
+        info["save_s"] = time.perf_counter() - t0
+        log(f"[{name}] saved the pipeline to {run.folder} in {info['save_s']:.1f} s")
+        run.cleanup.append(lambda: shutil.rmtree(run.folder, ignore_errors=True))
+    if not run.loaded:
+        run.pipe.to("meta")  # the built pipeline's weights dropped: only the loaded one holds any
+    run.pipe = None  # a pipeline an earlier load gave is dropped whole (its engines with it)
+    release(run.device)
+    t0 = time.perf_counter()
+    with HostPeak() as host:
+        handle = from_pretrained(run.folder, gpu_memory=budget, cpu_memory=cpu_memory, device=run.device,
+                                 progress=False)
+    info.update(load_s=time.perf_counter() - t0, host_before_bytes=host.before, host_peak_bytes=host.peak,
+                host_peak_growth_bytes=host.growth, host_peak_from="VmHWM" if host.exact else "sampled",
+                stats=str(handle.stats),
+                components={n: {"gpu_bytes": p.gpu_bytes, "streamed_blocks": len(p.streamed),
+                                "compressed": p.compressed, "disk_bytes": s.disk_bytes,
+                                "disk_wire_bytes": s.disk_wire_bytes, "pinned_bytes": s.pinned_bytes}
+                            for (n, p), s in zip(handle.placements.items(), handle.stats.components.values(),
+                                                 strict=True)},
+                predicted_ms=handle.stats.predicted_ms)
+    log(f"[{name}] loaded in {info['load_s']:.1f} s; host memory peak {fmt_size(host.peak)}, "
+        f"{fmt_size(host.growth)} above the {fmt_size(host.before)} before the load"
+        f"{'' if cpu_memory is None else f' (cpu_memory {fmt_size(cpu_memory)})'}")
+    handle.pipe.set_progress_bar_config(disable=True)
+    run.pipe, run.loaded = handle.pipe, True
+    return info, lambda: None  # the loaded pipeline is dropped with the next load or the run's end
+
+
 # -- one generation ---------------------------------------------------------------------------------------
 
 @dataclasses.dataclass
@@ -142,6 +252,9 @@ class Run:
     deadline: float  # perf_counter seconds
     warmup_steps: int
     reps: int
+    folder: str | None = None  # where ws-load saved the pipeline
+    loaded: bool = False  # run.pipe is one a ws-load loaded (the built one is gone)
+    cleanup: list = dataclasses.field(default_factory=list)
 
 
 def generate(run: Run, steps: int) -> dict:
@@ -268,10 +381,12 @@ def run_method(run: Run, name: str, budget: int | None, phase, refs: dict) -> Re
         return row
     t0 = time.perf_counter()
     try:
-        info, undo = setup(name, run.pipe, budget, run.device)
+        info, undo = (setup_load(run, name, budget) if _load_method(name)
+                      else setup(name, run.pipe, budget, run.device))
     except Exception as exc:
         row.error = f"setup: {first_line(exc)}"
-        run.pipe.to(run.device)  # best effort: where the next method expects the pipeline
+        if run.pipe is not None:
+            run.pipe.to(run.device)  # best effort: where the next method expects the pipeline
         release(run.device)
         return row
     release(run.device)
@@ -335,18 +450,25 @@ def run_pipeline(shape: str, budgets: list, phases: list[str], methods: list[str
     for phase in (parse_phase(p) for p in phases):
         refs: dict = {}
         run.warmup_steps = min(run.warmup_steps, phase.seq)
-        for name in (m for m in METHODS if m in methods):
+        ordered = [m for m in METHODS if m in methods and not _load_method(m)] + [
+            m for m in methods if _load_method(m)]
+        for name in ordered:  # the loads last: the first drops the built pipeline
             for budget in budget_bytes if name.startswith("ws-") else [None]:
                 if name == "resident" and gpu_total is not None and total > 0.8 * gpu_total:
                     row = ResultRow(name, phase.name, None, "eager",
                                     skipped="the pipeline does not fit the GPU")
                 elif name.startswith("diffusers-") and device.type != "cuda":
                     row = ResultRow(name, phase.name, None, "eager", skipped=f"{name} needs a CUDA device")
+                elif run.pipe is None:
+                    row = ResultRow(name, phase.name, budget, "eager",
+                                    skipped="the pipeline was dropped by a load before it: run it alone")
                 else:
                     row = run_method(run, name, budget, phase, refs)
                 log(describe(row))
                 doc["results"].append(asdict(row))
                 write_json(doc, out_path)
+    for clean in run.cleanup:
+        clean()
     doc["wall_s"] = time.perf_counter() - start
     write_json(doc, out_path)
     return doc
