@@ -666,6 +666,16 @@ def test_each_component_gets_the_dtypes_diffusers_gives_it(tmp_path, dtype):
     assert {k: v.dtype for k, v in state(handle.pipe).items()} == expected
 
 
+def test_dtype_converts_every_component_as_diffusers_dtype_does(tmp_path):
+    folder = saved(tiny_flux_pipeline(), tmp_path)  # stored in float32
+    reference = diffusers_loaded(folder, torch.bfloat16)
+    handle = ws.from_pretrained(folder, gpu_memory=total_bytes(reference) // 2, dtype="bf16", device="cpu",
+                                strategy="stream", progress=False)
+    assert torch.equal(generate(handle.pipe), generate(reference))
+    handle.restore()
+    assert {v.dtype for v in state(handle.pipe).values() if v.is_floating_point()} == {torch.bfloat16}
+
+
 def test_a_wan_pipeline_keeps_what_diffusers_keeps_in_float32(tmp_path):
     # WanTransformer3DModel keeps its time embedder and norms in float32 (diffusers'
     # _keep_in_fp32_modules) when loaded in bfloat16
@@ -739,6 +749,44 @@ def test_the_load_shows_progress(bf16_folder, capsys):
     handle = ws.from_pretrained(folder, gpu_memory=total // 2, device="cpu", strategy="stream")
     err = capsys.readouterr().err
     assert "loading pipeline" in err and "loading" in err.replace("loading pipeline", "")
+    handle.restore()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compress", [False, True])
+@pytest.mark.parametrize("on_disk", [False, True])
+def test_a_pipeline_folder_loaded_onto_the_gpu_is_exact_and_its_weights_leave_the_gpu(tmp_path, compress,
+                                                                                      on_disk):
+    # bf16 at width 64: groups the codec shrinks; on_disk: the least cpu_memory, so most groups stream
+    # from their files (compressed: from the blob cache)
+    folder = saved(tiny_flux_pipeline(width=64, layers=4).to(dtype=torch.bfloat16), tmp_path / "flux")
+    reference = diffusers_loaded(folder, torch.bfloat16).to("cuda")
+    image, latents = generate(reference), generate(reference, output_type="latent")
+    total = total_bytes(reference)
+    n_tensors = sum(len(m.state_dict()) for m in modules_of(reference).values())
+    del reference
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
+    kwargs = dict(device="cuda", strategy="stream", compress=compress, profile=ws.REFERENCE_PROFILE,
+                  progress=False)
+    budget = total // 2
+    cpu_memory = None
+    if on_disk:
+        with pytest.raises(BudgetError) as err:
+            ws.from_pretrained(folder, gpu_memory=budget, cpu_memory=1, **kwargs)
+        cpu_memory = err.value.minimum_bytes
+    handle = ws.from_pretrained(folder, gpu_memory=budget, cpu_memory=cpu_memory, **kwargs)
+    stats = handle.stats
+    held = torch.cuda.memory_allocated() - before
+    assert held <= budget + 512 * n_tensors  # the streamed bytes never came to the GPU to stay
+    assert held < total * 0.75
+    assert stats.components["transformer"].groups > 0
+    assert (stats.components["transformer"].disk_bytes > 0) == on_disk
+    assert not compress or any(s.wire_ratio < 1 for s in stats.components.values())
+    for _ in range(2):
+        assert torch.equal(generate(handle.pipe), image)
+    assert torch.equal(generate(handle.pipe, output_type="latent"), latents)
     handle.restore()
 
 

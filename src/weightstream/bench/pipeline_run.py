@@ -193,6 +193,17 @@ class HostPeak:
         self.growth = self.peak - self.before
 
 
+def _trim_heap() -> None:
+    """Give freed heap memory back to the system (glibc's malloc_trim; nothing elsewhere)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def setup_load(run: Run, name: str, budget: int) -> tuple[dict, object]:
     """`ws-load[-cpu<size>]`: the pipeline saved (once per run) and dropped, then loaded into place by
     `from_pretrained` with the host memory sampled; `run.pipe` becomes the loaded pipeline."""
@@ -216,6 +227,8 @@ def setup_load(run: Run, name: str, budget: int) -> tuple[dict, object]:
         run.pipe.to("meta")  # the built pipeline's weights dropped: only the loaded one holds any
     run.pipe = None  # a pipeline an earlier load gave is dropped whole (its engines with it)
     release(run.device)
+    _trim_heap()  # what the save and the dropped pipeline freed goes back to the system: the peak
+    # below then counts the load's own memory, not memory it reused from them
     t0 = time.perf_counter()
     with HostPeak() as host:
         handle = from_pretrained(run.folder, gpu_memory=budget, cpu_memory=cpu_memory, device=run.device,
