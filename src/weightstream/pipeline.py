@@ -385,8 +385,11 @@ def load_pipeline(path, config: OffloadConfig, *, cpu_memory: int | str | None =
     build_context and load are formats/hf.py's `params_on_meta` and `load_into_place`, passed by its
     `from_pretrained` (which calls this), so this module does not import the checkpoint reader back.
     Returns the `PipelineHandle` (`handle.pipe` is the pipeline); nothing stays allocated on an error."""
-    import diffusers
-
+    try:
+        import diffusers
+    except ImportError:
+        raise CheckpointError(f"{path} is a diffusers pipeline folder: loading it needs diffusers (pip "
+                              "install diffusers)") from None
     if config.tokens != 1 or config.blocks is not None or config.placement is not None or (
             config.keep_resident):
         raise ArgumentError("tokens, blocks, placement and keep_resident name one model's: a pipeline "
