@@ -17,6 +17,7 @@ from .offload import handle_of
 from .sizes import format_size
 from .speculative import GenerationStats
 from .speculative import generate as speculative_generate
+from .speculative.tree import parse_tree
 
 
 @dataclass(frozen=True)
@@ -88,15 +89,6 @@ def _check_generates(cls: type, folder: os.PathLike) -> None:
             "such as LlamaForCausalLM; `weightstream plan FOLDER` plans any model")
 
 
-def parse_tree(tree: str) -> tuple[int, int]:
-    """"WIDTHxDEPTH" (e.g. "4x6") -> (width, depth); ArgumentError otherwise."""
-    width, sep, depth = tree.lower().partition("x")
-    if not sep or not width.isdigit() or not depth.isdigit() or int(width) < 1 or int(depth) < 1:
-        raise ArgumentError(f"--tree {tree}: give WIDTHxDEPTH with both at least 1, e.g. --tree 4x6 "
-                            "(1xN drafts a chain of N tokens)")
-    return int(width), int(depth)
-
-
 def _load_draft(path: str | os.PathLike, dtype: torch.dtype, device: torch.device):
     """The draft checkpoint at `path`, resident on `device` in `dtype`."""
     from transformers import AutoModelForCausalLM
@@ -135,7 +127,7 @@ def generate_text(
         raise ArgumentError(f"--max-new-tokens {max_new_tokens}: generate at least 1 token")
     if dtype is not None:
         parse_dtype(dtype)  # before anything is loaded
-    width, depth = parse_tree(tree)
+    width, depth = parse_tree(tree).dims
     if speculate is not None and speculate != "prompt-lookup":
         draft_folder = checkpoint_folder(speculate)  # a missing draft is found before the model loads
         _check_generates(model_class(read_config(draft_folder), draft_folder), draft_folder)

