@@ -51,6 +51,13 @@ def test_a_model_with_sliding_window_layers_is_refused():
         ws.generate(model, IDS, 4)
 
 
+def test_an_attention_without_4d_masks_is_refused():
+    model = make_model("llama")
+    model.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(ArgumentError, match="'flash_attention_2', which takes no 4-D tree mask.*'sdpa'"):
+        ws.generate(model, IDS, 4)
+
+
 def test_caches_that_do_not_fit_the_memory_given_say_how_much_they_need(model):
     need = generation_bytes(model, None, IDS.shape[1] + 20 - 1 + 25, 25, 128)
     with pytest.raises(BudgetError, match="need .* cache_memory has 1000 B") as caught:

@@ -29,6 +29,11 @@ def check_causal_lm(model, what: str = "model") -> int:
             f"the {what} ({type(model).__name__}) has layers of kinds {sorted(set(layer_types))}: "
             "speculative generation verifies trees over a full-attention KV cache only; generate with "
             "model.generate() instead")
+    attention = getattr(config, "_attn_implementation", None) or "sdpa"
+    if attention not in ("eager", "sdpa"):
+        raise ArgumentError(
+            f"the {what} attends with {attention!r}, which takes no 4-D tree mask: load it with "
+            "attn_implementation='sdpa' (or 'eager') for speculative generation")
     return head.weight.shape[0]
 
 
