@@ -204,7 +204,7 @@ class OffloadHandle:
             config = config.replace(placement=placement_of(
                 cost, p.streamed, p.n_slots, p.uva, p.part, budget=self.engine.budget,
                 strategy=p.requested_strategy, compressed=p.compressed,
-                landing_buffers=p.landing_buffers or None))
+                landing_buffers=p.landing_buffers or None, uva_experts=p.uva_experts))
         new = offload_module(self.model, config)
         new.config = asked  # what was asked; the placement kept (or resized) is an edit's, not the user's
         self.__dict__.clear()

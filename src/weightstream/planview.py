@@ -59,7 +59,8 @@ def plan_report(model_name: str, gpu_memory: int | str | OffloadConfig, tokens: 
     phases = ((("decode", 1), (f"prefill_{prefill_tokens}", prefill_tokens)) if not diffusers_model
               else ((f"forward_{tokens}", tokens),))
     predictions = {
-        name: predict(cost, p.streamed, p.n_slots, p.uva, n, profile, p.part, p.compressed, p.n_landing)
+        name: predict(cost, p.streamed, p.n_slots, p.uva, n, profile, p.part, p.compressed, p.n_landing,
+                      p.uva_experts)
         for name, n in phases
     }
     host_limit = None if host_bytes is None else host_bytes - sum(prep.uva_group_bytes)
@@ -79,7 +80,10 @@ def plan_report(model_name: str, gpu_memory: int | str | OffloadConfig, tokens: 
         "streamed": {"bytes": sum(cost.streamed_bytes(i, p.part) for i in p.streamed),
                      "blocks": list(p.streamed), "slots": p.n_slots, "slot_bytes": p.slot_bytes,
                      "largest_tensors_per_block": p.part or None},
-        "zero_copy": {"bytes": p.uva_bytes, "blocks": list(p.uva)},
+        # experts_only_blocks: zero-copy blocks read in place for their routed experts only (the rest
+        # of each resident)
+        "zero_copy": {"bytes": p.uva_bytes, "blocks": list(p.uva),
+                      "experts_only_blocks": list(p.uva_experts)},
         "disk": {"bytes": sum(cost.streamed_bytes(p.streamed[g], p.part) for g in on_disk),
                  "blocks": [p.streamed[g] for g in sorted(on_disk)],
                  # what a forward reads from disk: compressed groups' blobs (predicted) from the cache
@@ -90,7 +94,8 @@ def plan_report(model_name: str, gpu_memory: int | str | OffloadConfig, tokens: 
         # ms: a forward in a loop of them (its first groups copied during the forward before);
         # first_ms: the first forward, or a CUDA graph replay (which starts with nothing staged)
         "predicted": {k: {"ms": round(v.again_ms, 2), "first_ms": round(v.ms, 2), "bound": v.bound,
-                          "compute_ms": round(v.compute_ms, 2), "link_ms": round(v.link_ms, 2)}
+                          "compute_ms": round(v.compute_ms, 2), "link_ms": round(v.link_ms, 2),
+                          "link_bytes": round(v.link_bytes)}
                       for k, v in predictions.items()},
     }
 
@@ -121,7 +126,9 @@ def format_report(r: dict) -> str:
         f"   through {r['streamed']['slots']} slot(s) of {size(r['streamed']['slot_bytes'])}"
         + (f"; only each block's {r['streamed']['largest_tensors_per_block']} largest tensors, the rest "
            "of it resident" if r["streamed"]["largest_tensors_per_block"] else ""),
-        f"{'zero copy':12}{len(r['zero_copy']['blocks']):>8}{size(r['zero_copy']['bytes']):>14}",
+        f"{'zero copy':12}{len(r['zero_copy']['blocks']):>8}{size(r['zero_copy']['bytes']):>14}"
+        + (f"   {len(r['zero_copy']['experts_only_blocks'])} of them only their routed experts, the rest "
+           "of each resident" if r["zero_copy"].get("experts_only_blocks") else ""),
         f"on the wire: {size(r['wire']['bytes'])} of {size(r['wire']['raw_bytes'])} streamed per forward, "
         + (f"compressed (ratio {r['wire']['ratio']:.3f}; landing buffers {r['wire']['landing_buffers']} x "
            f"{size(r['wire']['landing_bytes'])}, counted in the GPU memory)"
@@ -136,7 +143,7 @@ def format_report(r: dict) -> str:
     for phase, p in r["predicted"].items():
         lines.append(f"predicted {phase}: {p['ms']:.1f} ms per forward in a loop ({p['first_ms']:.1f} ms "
                      f"the first), {p['bound']}-bound (compute {p['compute_ms']:.1f} ms, link "
-                     f"{p['link_ms']:.1f} ms)")
+                     f"{p['link_ms']:.1f} ms, {size(round(p['link_bytes']))} over the link)")
     if r["disk"]["blocks"]:  # the cost model has no disk rate: say what it leaves out
         lines.append(f"the predictions leave out reading {size(r['disk']['wire_bytes'])} from disk "
                      "every forward (about 2 GB/s from a cold page cache, 6 GB/s from a warm one on "

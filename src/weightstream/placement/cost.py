@@ -12,6 +12,9 @@ In a mixture-of-experts block a token's GEMMs read only the experts it is routed
 forward the block's GEMMs read a share of its expert bytes (the share of experts any token is routed
 to), each expert at the tokens routed to it. That holds wherever the weights are, so a zero-copy block
 reads only those bytes over the link, while a copy must move every expert (the router has not run yet).
+A zero-copy block may also read only its routed experts in place, its other tensors (attention, norms,
+router, shared experts: read in full by every token) resident on the device; then only the routed share
+crosses the link.
 """
 
 from __future__ import annotations
@@ -54,6 +57,10 @@ class ModelCost:
     # each streamable tensor's predicted bytes on the wire when compressed (codec.choose), in the order
     # of tensor_bytes; (): compression not considered
     tensor_wire: tuple[tuple[int, ...], ...] = ()
+    # each block's routed expert tensors: positions in tensor_bytes (fused 3-D tensors whose first
+    # dimension is the expert); (): none, or tensors not known
+    routed_tensors: tuple[tuple[int, ...], ...] = ()
+
     @property
     def _memo(self) -> dict:
         """What the methods below computed, by (method, arguments): the planner costs thousands of
@@ -100,6 +107,34 @@ class ModelCost:
                     profile.dequant_ratio(m)
         return seconds
 
+    def experts_apart(self, block: int) -> bool:
+        """Whether `block`'s routed expert tensors can be read in place apart from the rest of it: it has
+        some, and other tensors beside them."""
+        return bool(self.routed_tensors and self.routed_tensors[block]
+                    and len(self.routed_tensors[block]) < len(self.tensor_bytes[block]))
+
+    def uva_bytes(self, block: int, experts_only: bool = False) -> int:
+        """Bytes of `block` read in place from host memory: all of it, or (`experts_only`) its routed
+        expert tensors."""
+        return self.routed_bytes[block] if experts_only else self.block_bytes[block]
+
+    def uva_staging(self, block: int, experts_only: bool = False) -> int:
+        """Host bytes of `block`'s zero-copy region (aligned layout): all of it, or its routed experts."""
+        if not experts_only:
+            return self.staging(block)
+        key = ("uva_staging", block)
+        if key not in self._memo:
+            sizes = [self.tensor_bytes[block][i] for i in self.routed_tensors[block]]
+            self._memo[key] = pack(sizes)[1] if self.slot_bytes else sum(sizes)
+        return self._memo[key]
+
+    def link_reads(self, block: int, tokens: int, experts_only: bool = False) -> float:
+        """Expected bytes a zero-copy `block` reads over the link in a forward of `tokens` tokens: its
+        dense bytes in full (none when `experts_only`: they are resident) plus its routed expert bytes
+        times the share of experts any token reaches (top_k / experts at one token)."""
+        dense, *routed = self.reads(block, tokens)
+        return (0.0 if experts_only else dense[0]) + sum(nbytes for nbytes, _ in routed)
+
     def streamed_bytes(self, block: int, part: int = 0) -> int:
         """Bytes of `block` that stream when its `part` largest tensors do (0: the whole block)."""
         if not part or not self.tensor_bytes:
@@ -143,6 +178,9 @@ class Prediction:
     # each further forward of the same order called right after the last (eager or compiled without
     # CUDA graphs: the last releases of one forward start the next one's first copies)
     warm_ms: float | None = None
+    # expected bytes over the link in a forward entered with nothing staged: copies plus zero-copy
+    # reads (routed experts counted at the share of them the tokens reach)
+    link_bytes: float = 0.0
 
     @property
     def again_ms(self) -> float:
@@ -178,6 +216,7 @@ def predict(
     part: int = 0,
     compressed: bool = False,
     n_landing: int | None = None,
+    uva_experts: tuple[int, ...] = (),
 ) -> Prediction:
     """Predict one forward of `tokens` tokens with blocks `streamed` (through `n_slots` slots; each
     streams its `part` largest tensors, 0: all of it) and `uva` (zero copy), the rest resident: the
@@ -198,11 +237,16 @@ def predict(
     (docs/diagnostics.md), a decode enqueued beside busy GEMMs lengthens them by more
     than its own time, and in a Flux step every decode ran only once compute was idle. So a group's
     decode starts once its blob has landed, the decode before it is done and compute has reached the
-    group, and compute waits for it."""
+    group, and compute waits for it.
+
+    Blocks of `uva_experts` (a subset of `uva`) read only their routed experts in place: their other
+    GEMMs run at the resident rate first (attention and router come before the experts), then the
+    routed share crosses the link."""
     group_of = {block: g for g, block in enumerate(streamed)}
     extra = profile.block_extra_seconds(model.width, tokens)  # every block, wherever its weights are
     on_device = model.block_seconds(tokens, profile)  # each block's seconds, its weights resident
     uva_set = set(uva)
+    experts_only = set(uva_experts)
     n = len(streamed)
     n_buffers = n_landing or (2 if n_slots == 1 and n > 1 else n_slots)
     # global group k = forward * n + group; where the group before k in its slot is k's own previous
@@ -222,6 +266,7 @@ def predict(
     lead_issued: dict[int, float] = {}  # compressed: when their blobs were sent (ahead, or at start)
     compute = copy = decode = prologue = 0.0
     link = [0.0] * (forwards + 1)
+    link_bytes = [0.0] * (forwards + 1)
     ends = []
 
     def land(k: int, not_before: float) -> None:
@@ -231,6 +276,7 @@ def predict(
         seconds = profile.copy_seconds(nbytes)
         copy = max(copy, not_before) + seconds
         link[k // n] += seconds
+        link_bytes[k // n] += nbytes
         landed[k] = copy
 
     def start_of(k: int) -> float:
@@ -287,7 +333,13 @@ def predict(
                             break  # not sent yet, or its landing buffer still waits for a decode
                         land_ahead(h)
                     issued_blobs += 1
-                seconds = gemm_seconds(profile.uva_seconds, block)
+                if block in experts_only:  # dense GEMMs on resident weights, then the routed reads
+                    (dense, m), *routed = model.reads(block, tokens)
+                    compute += profile.resident_seconds(dense, m)
+                    seconds = sum(profile.uva_seconds(nbytes, m) for nbytes, m in routed)
+                else:
+                    seconds = gemm_seconds(profile.uva_seconds, block)
+                link_bytes[forward] += model.link_reads(block, tokens, block in experts_only)
                 compute = copy = max(compute, copy) + seconds
                 link[forward] += seconds
                 compute += extra  # the block's other kernels read no weights: the link is free again
@@ -340,4 +392,5 @@ def predict(
     # with nothing streamed every forward is alike (and not a difference of two rounded sums)
     warm = ends[0] if not n else ends[1] - ends[0]
     return Prediction(ends[0] * 1e3, resident * 1e3, link[0] * 1e3,
-                      "link" if link[0] >= resident else "compute", warm_ms=warm * 1e3)
+                      "link" if link[0] >= resident else "compute", warm_ms=warm * 1e3,
+                      link_bytes=link_bytes[0])

@@ -6,7 +6,9 @@ behind the resident blocks between them, with two slots (one computes while the 
 the same with only each streamed block's p largest tensors streaming (parameter granularity: its MLP,
 say, while its attention stays resident, which needs smaller slots and fills the budget more closely);
 k blocks zero copy (no staging memory, so more stays resident); and mixes of whole streamed and
-zero-copy blocks. The planner
+zero-copy blocks. In a mixture of experts a zero-copy block may read only its routed expert tensors in
+place and keep the rest (attention, norms, router, shared experts, which every token reads in full)
+resident: e of the k zero-copy blocks do so, for every e. The planner
 keeps the candidates that fit the budget, staging included, and returns the one the cost model
 predicts fastest for the given tokens per forward. A larger budget only adds candidates, so it never
 predicts slower.
@@ -31,7 +33,9 @@ class Placement:
 
     `streamed` lists the streamed blocks in forward order; each is one group, and group i (its
     position in `streamed`) is staged in slot i % n_slots. With `part` > 0 only each streamed block's
-    `part` largest tensors stream and the rest of it stays resident. `uva` lists the zero-copy blocks.
+    `part` largest tensors stream and the rest of it stays resident. `uva` lists the zero-copy blocks;
+    those also in `uva_experts` read only their routed expert tensors in place, the rest of each stays
+    resident.
     `offloaded_bytes` are the bytes kept off the GPU: those that stream through the slots plus the
     zero-copy ones (`uva_bytes`). `requested_strategy` is what was asked for ("auto", "stream",
     "uva"); `kind` is what the placement turned out to be.
@@ -49,6 +53,7 @@ class Placement:
     requested_strategy: str = "auto"
     landing_bytes: int = 0  # compressed groups: the size of each GPU landing buffer; 0: groups stream raw
     landing_buffers: int = 0  # how many (0: raw; see n_landing)
+    uva_experts: tuple[int, ...] = ()  # zero-copy blocks read in place for their routed experts only
 
     @property
     def compressed(self) -> bool:
@@ -98,12 +103,14 @@ def landing_options(n_slots: int, n_groups: int) -> tuple[int, ...]:
     return (2, 1) if n_slots == 1 and n_groups > 1 else (n_slots,)
 
 
-def host_need(model: ModelCost, streamed: tuple[int, ...], uva: tuple[int, ...], part: int = 0) -> int:
+def host_need(model: ModelCost, streamed: tuple[int, ...], uva: tuple[int, ...], part: int = 0,
+              uva_experts: tuple[int, ...] = ()) -> int:
     """Host bytes a placement needs at the least: its zero-copy blocks (read in place, so in host
-    memory), plus every streamed group or, when some of them stay on disk, two bounce buffers of the
-    largest streamed group."""
+    memory; of `uva_experts` blocks their routed experts), plus every streamed group or, when some of
+    them stay on disk, two bounce buffers of the largest streamed group."""
     groups = [model.staging(i, part) for i in streamed]
-    return sum(model.staging(i) for i in uva) + min(sum(groups), 2 * max(groups, default=0))
+    in_place = sum(model.uva_staging(i, i in uva_experts) for i in uva)
+    return in_place + min(sum(groups), 2 * max(groups, default=0))
 
 
 def _landing(model: ModelCost, streamed: tuple[int, ...], part: int) -> int:
@@ -118,25 +125,32 @@ def spread(n: int, k: int) -> tuple[int, ...]:
     return tuple(sorted({(2 * i + 1) * n // (2 * k) for i in range(k)}))
 
 
-def _candidates(n: int, strategy: str, max_slots: int, max_part: int):
-    """(streamed, uva, n_slots, part) of block indices for `strategy`; part 0 streams whole blocks,
-    part p in 1..max_part - 1 each streamed block's p largest tensors."""
-    yield (), (), 0, 0  # everything resident
+def _candidates(n: int, strategy: str, max_slots: int, max_part: int, apart: tuple[int, ...] = ()):
+    """(streamed, uva, n_slots, part, uva_experts) of block indices for `strategy`; part 0 streams
+    whole blocks, part p in 1..max_part - 1 each streamed block's p largest tensors. `apart`: the blocks
+    whose routed experts can be read in place without the rest of them; of k zero-copy blocks, e of
+    those (for every e) do so, and in mixes with streamed blocks none or all of them."""
+    yield (), (), 0, 0, ()  # everything resident
     for k in range(1, n + 1):
         off = spread(n, k)
         if strategy in ("auto", "uva"):
-            yield (), off, 0, 0
+            yield (), off, 0, 0, ()
+            able = tuple(b for b in off if b in apart)
+            for e in range(1, len(able) + 1):
+                yield (), off, 0, 0, tuple(able[i] for i in spread(len(able), e))
         if strategy == "uva":
             continue
         splits = range(k) if strategy == "auto" else [0]  # u of the k off-GPU blocks read in place
         for u in splits:
             in_place = tuple(off[i] for i in spread(k, u)) if u else ()
             streamed = tuple(b for b in off if b not in in_place)
-            for n_slots in range(min(max_slots, len(streamed)), 0, -1):
-                yield streamed, in_place, n_slots, 0
+            experts = tuple(b for b in in_place if b in apart)
+            for uva_experts in ((), experts) if experts else ((),):
+                for n_slots in range(min(max_slots, len(streamed)), 0, -1):
+                    yield streamed, in_place, n_slots, 0, uva_experts
         for part in range(1, max_part):
             for n_slots in range(min(max_slots, k), 0, -1):
-                yield off, (), n_slots, part
+                yield off, (), n_slots, part, ()
 
 
 def placement_of(
@@ -152,19 +166,25 @@ def placement_of(
     strategy: str = "auto",
     compressed: bool = False,
     landing_buffers: int | None = None,
+    uva_experts: tuple[int, ...] = (),
 ) -> Placement | None:
     """The placement that streams blocks `streamed` through `n_slots` slots (each block's `part`
     largest tensors; 0: all of it) and reads blocks `uva` in place, with its predicted time; None when
     it does not fit `budget` bytes of GPU memory or `host_bytes` of host memory (no limit when None).
     `strategy` is recorded as the requested one. `compressed`: groups cross the link compressed (None
     where they would not shrink), through `landing_buffers` landing buffers (one of `landing_options`;
-    None: the first). Tests and tools use it to force a placement."""
+    None: the first). `uva_experts`: zero-copy blocks that read only their routed expert tensors in
+    place (`ModelCost.experts_apart`), the rest of each resident. Tests and tools use it to force a
+    placement."""
     if profile is None:
         from .probe import H200 as profile
     sizes = model.block_bytes
     if bool(streamed) != (n_slots > 0) or set(streamed) & set(uva):
         raise ArgumentError(f"streamed={streamed}, uva={uva}, n_slots={n_slots}: streamed blocks need at "
                             "least one slot, and a block is streamed or read in place, not both")
+    if not set(uva_experts) <= set(uva) or not all(model.experts_apart(i) for i in uva_experts):
+        raise ArgumentError(f"uva_experts={uva_experts}: name zero-copy blocks (of uva={uva}) that hold "
+                            "routed expert tensors beside other tensors")
     options = landing_options(n_slots, len(streamed))
     if landing_buffers is None:
         landing_buffers = options[0]
@@ -174,6 +194,7 @@ def placement_of(
     off = set(streamed) | set(uva)
     resident = model.fixed_bytes + sum(b for i, b in enumerate(sizes) if i not in off)
     resident += sum(sizes[i] - model.streamed_bytes(i, part) for i in streamed)
+    resident += sum(sizes[i] - model.uva_bytes(i, True) for i in uva_experts)
     slot = max((model.staging(i, part) for i in streamed), default=0)
     landing = _landing(model, streamed, part) if compressed and streamed else 0
     if landing > 0.95 * slot:
@@ -182,13 +203,15 @@ def placement_of(
     staging = n_slots * slot + n_landing * landing
     if budget is not None and resident + staging > budget:
         return None
-    if host_bytes is not None and host_need(model, streamed, uva, part) > host_bytes:
+    if host_bytes is not None and host_need(model, streamed, uva, part, uva_experts) > host_bytes:
         return None
-    prediction = predict(model, streamed, n_slots, uva, tokens, profile, part, bool(landing), n_landing)
+    prediction = predict(model, streamed, n_slots, uva, tokens, profile, part, bool(landing), n_landing,
+                         uva_experts)
     total = model.fixed_bytes + sum(sizes)
     return Placement(tuple(streamed), n_slots, slot, resident, total - resident, tuple(uva),
-                     sum(sizes[i] for i in uva), prediction, part, requested_strategy=strategy,
-                     landing_bytes=landing, landing_buffers=n_landing)
+                     sum(model.uva_bytes(i, i in uva_experts) for i in uva), prediction, part,
+                     requested_strategy=strategy, landing_bytes=landing, landing_buffers=n_landing,
+                     uva_experts=tuple(uva_experts))
 
 
 def plan(
@@ -200,6 +223,7 @@ def plan(
     max_slots: int = 2,
     host_bytes: int | None = None,
     compress: bool | str = "auto",
+    experts_apart: bool = True,
 ) -> Placement:
     """The fastest placement of `model` whose weights fit in `budget` bytes of GPU memory.
 
@@ -213,6 +237,8 @@ def plan(
     compress: True streams groups compressed (landing buffers count as staging) wherever a compressed
         placement fits, False raw, "auto" whichever predicts faster; needs `model.tensor_wire`
         (without it groups stream raw).
+    experts_apart: let zero-copy blocks of a mixture of experts read only their routed experts in
+        place, the rest of them resident (False: zero-copy blocks are read in place whole).
     """
     if strategy not in STRATEGIES:
         raise ArgumentError(f"strategy={strategy!r}: choose one of {', '.join(STRATEGIES)}")
@@ -236,18 +262,20 @@ def plan(
     n = len(model.block_bytes)
     best: Placement | None = None
     max_part = max((len(t) for t in model.tensor_bytes), default=0)
-    for streamed, uva, n_slots, part in _candidates(n, strategy, max_slots, max_part):
+    apart = tuple(i for i in range(n) if model.experts_apart(i)) if experts_apart else ()
+    for streamed, uva, n_slots, part, uva_experts in _candidates(n, strategy, max_slots, max_part, apart):
         for compressed in options if streamed else (False,):
             for buffers in landing_options(n_slots, len(streamed)) if compressed else (None,):
                 candidate = placement_of(model, streamed, n_slots, uva, part, tokens, profile, budget,
-                                         host_bytes, strategy, compressed, buffers)
+                                         host_bytes, strategy, compressed, buffers, uva_experts)
                 if candidate is not None and better(candidate, best):
                     best = candidate
     if best is not None:
         return best
     if host_bytes is not None:
-        gpu_only = plan(model, budget, tokens, profile, strategy, max_slots)  # raises if the GPU is the limit
-        need = host_need(model, gpu_only.streamed, gpu_only.uva, gpu_only.part)
+        # raises if the GPU is the limit
+        gpu_only = plan(model, budget, tokens, profile, strategy, max_slots, experts_apart=experts_apart)
+        need = host_need(model, gpu_only.streamed, gpu_only.uva, gpu_only.part, gpu_only.uva_experts)
         held = [what for what, there in (("the zero-copy blocks", gpu_only.uva), (
             "two bounce buffers of the largest streamed group (the disk tier)", gpu_only.streamed)) if there]
         raise BudgetError(

@@ -155,14 +155,22 @@ def model_cost(entries: list[Entry], per_block: list[list[Entry]], slot_bytes: l
     block_bytes = tuple(sum(e.nbytes for e in group) for group in per_block)
     tensor_bytes = tuple(tuple(e.nbytes for e in group) for group in per_block)
     experts, top_k = routing
-    routed = tuple(sum(e.nbytes for e in group if len(e.shape) == 3 and e.shape[0] == experts)
-                   for group in per_block) if experts else ()
+    positions = tuple(tuple(i for i, e in enumerate(group) if _routed(e, experts)) for group in per_block)
+    routed = tuple(sum(group[i].nbytes for i in at) for group, at in zip(per_block, positions, strict=True))
+    routed = routed if experts else ()
     quant = tuple(sum(e.nbytes for e in group if e.bf16_bytes != e.nbytes) for group in per_block)
     quant_bf16 = tuple(sum(e.bf16_bytes for e in group if e.bf16_bytes != e.nbytes) for group in per_block)
     tensor_wire = tuple(tuple(_wire_nbytes(e) for e in group) for group in per_block) if wire else ()
     return ModelCost(sum(outside), max(outside, default=0), block_bytes, tuple(slot_bytes), width,
                      tensor_bytes, routed if any(routed) else (), experts, top_k,
-                     quant if any(quant) else (), quant_bf16 if any(quant) else (), tensor_wire)
+                     quant if any(quant) else (), quant_bf16 if any(quant) else (), tensor_wire,
+                     positions if any(routed) else ())
+
+
+def _routed(entry: Entry, experts: int) -> bool:
+    """Whether `entry` holds routed experts: a 3-D tensor whose first dimension is the expert (the fused
+    layout transformers 5 builds mixtures of experts with)."""
+    return experts > 0 and len(entry.shape) == 3 and entry.shape[0] == experts
 
 
 def expert_routing(model: nn.Module) -> tuple[int, int]:
@@ -198,6 +206,7 @@ def prepare(
     compress: bool | str = "auto",
     predict_wire: bool | None = None,
     keep_resident: Collection[str] = (),
+    experts_apart: bool = True,
 ) -> Prepared:
     """Check the model and plan what stays on `device`, what streams and what is read in place
     (zero copy); moves nothing yet.
@@ -207,7 +216,8 @@ def prepare(
     `offload`. host_bytes: host memory for the offloaded weights (see `plan.plan`; None: no limit).
     predict_wire: give the cost each tensor's predicted compressed size (`codec.choose`, about 6 ms per
     72 MiB tensor) unless `compress` is False; None: only when the planner runs (no `placement`
-    given), since an explicit placement does not use them. keep_resident: see `offload`.
+    given), since an explicit placement does not use them. keep_resident: see `offload`. experts_apart:
+    see `plan.plan` (False: zero-copy blocks of a mixture of experts are read in place whole).
     `gpu_memory` may be an `OffloadConfig` (then the other arguments it holds stay at their defaults).
     """
     config = config_of(gpu_memory, device=device, blocks=blocks, strategy=strategy, tokens=tokens,
@@ -240,26 +250,34 @@ def prepare(
                       expert_routing(model), wire=wire)
     if placement is None:
         profile = load_profile(device) if profile is None else profile
-        placement = plan(cost, budget, tokens, profile, strategy, host_bytes=host_bytes, compress=compress)
+        placement = plan(cost, budget, tokens, profile, strategy, host_bytes=host_bytes, compress=compress,
+                         experts_apart=experts_apart)
     elif placement.gpu_bytes > budget or max(placement.streamed + placement.uva, default=-1) >= len(found):
         raise ArgumentError(
             f"the given placement needs {format_size(placement.gpu_bytes)} of GPU memory for blocks up to "
             f"{max(placement.streamed + placement.uva, default=-1)}; the budget is {format_size(budget)} "
             f"and the model has {len(found)} blocks: make it with plan.placement_of for this model"
         )
+    elif not all(cost.experts_apart(i) for i in placement.uva_experts):
+        raise ArgumentError(
+            f"the given placement reads blocks {placement.uva_experts} for their routed experts only, but "
+            "not all of them hold routed expert tensors beside other tensors in this model: make it with "
+            "plan.placement_of for this model")
 
-    def grouped(indices, part=0):
-        """Each block's (entry, slice) pairs and region size: its `part` largest tensors (0: all)."""
+    def grouped(indices, part=0, experts=()):
+        """Each block's (entry, slice) pairs and region size: its `part` largest tensors (0: all), or
+        for blocks of `experts` its routed expert tensors."""
         groups, sizes = [], []
         for i in indices:
-            chosen = [per_block[i][j] for j in largest(cost.tensor_bytes[i], part)]
-            slices, size = pack([e.nbytes for e in chosen]) if part else layouts[i]
+            at = cost.routed_tensors[i] if i in experts else largest(cost.tensor_bytes[i], part)
+            chosen = [per_block[i][j] for j in at]
+            slices, size = pack([e.nbytes for e in chosen]) if part or i in experts else layouts[i]
             groups.append(list(zip(chosen, slices, strict=True)))
             sizes.append(size)
         return groups, sizes
 
     groups, group_bytes = grouped(placement.streamed, placement.part)
-    uva_groups, uva_group_bytes = grouped(placement.uva)
+    uva_groups, uva_group_bytes = grouped(placement.uva, experts=placement.uva_experts)
     return Prepared(model, device, [b.name for b in found], block_modules, entries, placement, groups,
                     group_bytes, uva_groups, uva_group_bytes, cost, budget=budget, block_lists=blocks)
 

@@ -1,0 +1,104 @@
+"""Zero-copy blocks of a mixture of experts that read only their routed experts in place, the rest of
+each block (attention, norms, router, shared experts) resident: through the real engine on the CPU
+(synchronous backend), on the model zoo's mixtures of experts, outputs `torch.equal` to the resident
+model's; exactly the routed expert tensors live in the host arena."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import weight_bytes
+from model_zoo import ZOO, call, same
+
+import weightstream as ws
+from weightstream.placement.plan import placement_of
+from weightstream.placement.prepare import prepare
+
+pytest.importorskip("transformers")
+
+# the zoo's mixtures of experts whose experts transformers fuses into 3-D tensors (Jamba's are too,
+# but its blocks are not all alike: it is covered by the planner's own choice below)
+MOE = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "gpt_oss"]
+
+
+def build(name: str):
+    model, inputs = ZOO[name]()
+    model = model.eval().requires_grad_(False)
+    return model, copy.deepcopy(model), inputs
+
+
+def routed_names(model) -> set[str]:
+    """Names of the model's fused expert tensors (3-D, first dimension the expert count)."""
+    cfg = model.config
+    experts = getattr(cfg, "num_local_experts", None) or getattr(cfg, "num_experts", None) or \
+        getattr(cfg, "n_routed_experts", None)
+    return {n for n, p in model.named_parameters() if p.dim() == 3 and p.shape[0] == experts}
+
+
+def arena_ptrs(handle) -> list[tuple[int, int]]:
+    """(start, end) of each host group's region in the arena."""
+    groups = len(handle.engine.groups) + len(handle.engine.uva_groups)
+    regions = [handle.engine.arena.region(g) for g in range(groups)]
+    return [(r.data_ptr(), r.data_ptr() + r.numel()) for r in regions]
+
+
+def in_arena(t: torch.Tensor, ranges) -> bool:
+    return any(lo <= t.data_ptr() < hi for lo, hi in ranges)
+
+
+@pytest.mark.parametrize("streamed", [False, True])
+@pytest.mark.parametrize("name", MOE)
+def test_experts_read_in_place_with_the_rest_resident_is_exact(name, streamed):
+    """Every block with routed experts reads them in place; with `streamed`, the first such block
+    streams instead, so zero-copy and streamed blocks mix in one forward."""
+    ref, model, inputs = build(name)
+    cost = prepare(model, gpu_memory=2**40, device="cpu").cost
+    apart = tuple(i for i in range(len(cost.block_bytes)) if cost.experts_apart(i))
+    assert apart, "the zoo model's experts are not recognized as routed"
+    stream = apart[:1] if streamed else ()
+    uva = tuple(i for i in apart if i not in stream)
+    placement = placement_of(cost, stream, len(stream), uva, uva_experts=uva)
+    assert placement.uva_bytes == sum(cost.routed_bytes[i] for i in uva)
+    handle = ws.offload(model, gpu_memory=placement.gpu_bytes, device="cpu", placement=placement)
+    assert handle.placement.uva_experts == uva
+    stats = handle.stats
+    assert stats.uva_bytes == placement.uva_bytes
+    assert stats.resident_bytes + stats.streamed_bytes + stats.uva_bytes == weight_bytes(ref)
+    ranges = arena_ptrs(handle)
+    routed = routed_names(ref)
+    for pname, _ in ref.named_parameters():
+        if any(pname.startswith(block + ".") for block in handle.uva_blocks):
+            # in the arena (read in place) exactly when it is a routed expert tensor
+            assert in_arena(_live(model, pname), ranges) == (pname in routed), pname
+    for _ in range(2):
+        assert same(call(model, inputs), call(ref, inputs))
+    assert stats.misses == 0
+    handle.restore()
+    assert same(call(model, inputs), call(ref, inputs))
+
+
+def _live(model, name: str) -> torch.Tensor:
+    """The tensor the kernels read for parameter `name` (its attribute, not `named_parameters`' true
+    copy)."""
+    *path, attr = name.split(".")
+    module = model
+    for part in path:
+        module = getattr(module, part)
+    return module._parameters[attr]
+
+
+@pytest.mark.parametrize("name", ["mixtral", "deepseek_v2", "gpt_oss"])
+def test_the_planner_reads_experts_in_place_at_decode_and_stays_exact(name):
+    """The planner's own choice at a budget between the dense bytes and the whole model: at one token
+    it keeps dense tensors resident and reads routed experts in place."""
+    ref, model, inputs = build(name)
+    cost = prepare(model, gpu_memory=2**40, device="cpu").cost
+    dense = cost.fixed_bytes + sum(b - r for b, r in zip(cost.block_bytes, cost.routed_bytes, strict=True))
+    budget = dense + max(cost.routed_bytes) // 2  # room for every dense tensor, not for a whole block more
+    handle = ws.offload(model, gpu_memory=budget, device="cpu", strategy="uva", tokens=1)
+    assert handle.placement.uva_experts, handle.placement
+    assert handle.placement.gpu_bytes <= budget
+    for _ in range(2):
+        assert same(call(model, inputs), call(ref, inputs))
