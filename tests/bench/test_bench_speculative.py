@@ -36,6 +36,8 @@ def test_a_checkpoint_adds_plain_and_speculative_generation_rows_with_the_plain_
     assert rows["ws-plain"]["exact"] is None and rows["ws-plain"]["phase"] == "generate-6"
     for method in ("ws-speculative-prompt-lookup", "ws-speculative-int4-g64"):
         assert rows[method]["exact"] is True and rows[method]["setup"]["tree"] == "2x2"
+        setup = rows[method]["setup"]
+        assert setup["identical_share"] == 1.0 and setup["first_difference"] == [None, None]
         assert rows[method]["tokens_per_s"] > 0 and "accepted_per_pass" in rows[method]["setup"]
 
 

@@ -13,7 +13,9 @@ against plain decoding of an offloaded causal LM.
    generated token over the prompts (tokens = 1, so tokens_per_s is tokens/s). Drafts: prompt lookup,
    and a copy of the model with every decoder linear weight rounded to int4, symmetric, groups of 64
    (off a 4-bit GGUF's own grid), resident. `exact`: every prompt's tokens equal the plain run's; the
-   setup holds the mean drafted tokens accepted per pass.
+   setup holds the mean drafted tokens accepted per pass, the share of prompts whose tokens are
+   identical and, per prompt, the first new token that differs (None: none; in low precision a
+   near-tie can flip where the verify forward's GEMM shapes differ from a one-token forward's).
 """
 
 from __future__ import annotations
@@ -163,7 +165,7 @@ def generation_rows(model: nn.Module, tokenizer, budget: int, new_tokens: int, c
     rows = []
     for method, (draft, scheme) in [("ws-plain", (None, "none")), *drafts.items()]:
         generate(model, prompts[0], 4, draft=draft, width=width, depth=depth)  # warm-up
-        per_token, accepted, exact = [], [], True
+        per_token, accepted, same, first = [], [], [], []
         for i, ids in enumerate(prompts):
             start = time.perf_counter()
             out = generate(model, ids, new_tokens, draft=draft, width=width, depth=depth, eos_token_id=[])
@@ -171,15 +173,19 @@ def generation_rows(model: nn.Module, tokenizer, budget: int, new_tokens: int, c
             accepted.append(out.stats.accepted_per_pass)
             if draft is None:
                 plain.append(out.tokens)
-            else:
-                exact &= torch.equal(out.tokens, plain[i])
+            else:  # where a near-tie flips (low precision), the first new token that differs
+                same.append(torch.equal(out.tokens, plain[i]))
+                differs = (out.tokens[0] != plain[i][0]).nonzero()
+                first.append(int(differs[0]) - ids.shape[1] if len(differs) else None)
         row = ResultRow(method, f"generate-{new_tokens}", budget, "eager", tokens=1, reps=len(prompts),
                         median_ms=statistics.median(per_token), min_ms=min(per_token), max_ms=max(per_token),
                         tokens_per_s=1e3 / statistics.median(per_token), link_bytes=link_bytes(stats),
-                        exact=None if draft is None else exact,
+                        exact=None if draft is None else all(same),
                         reference="ws-plain (greedy, one token per pass)",
                         setup={"draft": scheme, "tree": f"{width}x{depth}", "prompts": len(prompts),
-                               "accepted_per_pass": statistics.mean(accepted), "stats": asdict(stats)})
+                               "accepted_per_pass": statistics.mean(accepted), "stats": asdict(stats),
+                               "identical_share": sum(same) / len(same) if same else None,
+                               "first_difference": first})
         log(f"{method}: {row.tokens_per_s:.2f} tokens/s, {row.setup['accepted_per_pass']:.2f} drafted tokens "
             f"accepted per pass, exact {row.exact}")
         rows.append(row)

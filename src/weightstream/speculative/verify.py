@@ -57,8 +57,9 @@ class TreeForward:
         ids, pos, additive = buffers
         ids.copy_(tokens.view(1, count))
         pos.copy_(positions.view(1, count))
-        blocked = torch.finfo(self.dtype).min
-        additive.copy_(torch.where(mask, 0.0, blocked).to(self.dtype).view(1, 1, count, length))
+        # the bool mask crosses (a byte per entry) and becomes 0 / the dtype's minimum on the device
+        allowed = mask.to(self.device, non_blocking=True).view(1, 1, count, length)
+        additive.fill_(torch.finfo(self.dtype).min).masked_fill_(allowed, 0.0)
         return ids, pos, additive
 
     def run(self, tokens: torch.Tensor, positions: torch.Tensor, write_at: torch.Tensor, mask: torch.Tensor,
