@@ -30,10 +30,10 @@ class TreeCache:
     """
 
     is_compileable = True
-    is_sliding = False
 
     def __init__(self, layers: int, length: int) -> None:
         self.length = length
+        self.is_sliding = [False] * layers  # every layer attends to the whole cache (masks find a full layer)
         self.keys: list[torch.Tensor | None] = [None] * layers
         self.values: list[torch.Tensor | None] = [None] * layers
         self.write_at: torch.Tensor | None = None
