@@ -21,6 +21,7 @@ from .config import OffloadConfig
 from .devices import resolve_device
 from .engine import guards
 from .engine.engine import StreamEngine
+from .engine.experts import ExpertCounter, RoutedBlock
 from .engine.host import HostArena
 from .engine.streamed import _blocked_apply, _install_schedule
 from .engine.uva import uva_view
@@ -52,6 +53,10 @@ class OffloadStats:
     `disk_bytes` are the disk-tier groups' raw tensor bytes, `disk_wire_bytes` what one forward reads
     from disk for them (compressed blobs from the cache file, `disk_cache_bytes` in all, plus the raw
     tensors of groups that did not shrink).
+
+    `expert_bytes_per_token`: for a mixture of experts whose routed experts are off the GPU, the expert
+    bytes read over the link per token (zero-copy experts the tokens reached, streamed expert groups
+    whole) since `handle.count_experts()` put the routers' counters on; None without them.
     """
 
     device: str
@@ -76,6 +81,7 @@ class OffloadStats:
     disk_cache_bytes: int = 0  # size of the disk tier's compressed cache file
     # the planner's ms of a forward entered with nothing staged: the first, or a CUDA graph replay
     predicted_first_ms: float | None = None
+    expert_bytes_per_token: float | None = None  # counted since count_experts(); None: not counted
 
     @property
     def disk_ratio(self) -> float:
@@ -127,6 +133,8 @@ class OffloadHandle:
         self._patched: list[nn.Module] = []
         self.config: OffloadConfig | None = None  # set by offload_module (edit() offloads with it again)
         self._cost = prep.cost
+        self._blocks = prep.block_modules
+        self._experts: ExpertCounter | None = None  # count_experts()
         self.restored = False
 
     def settle(self) -> list[str]:
@@ -165,7 +173,31 @@ class OffloadHandle:
             wire_bytes=sum(enc.wire_bytes if enc else size
                            for enc, size in zip(self.engine.wire, self.engine.group_bytes, strict=True)),
             wire_raw_bytes=sum(self.engine.group_bytes),
+            expert_bytes_per_token=self._experts.bytes_per_token() if self._experts else None,
         )
+
+    def count_experts(self, on: bool = True) -> None:
+        """Count the expert bytes a mixture of experts reads over the link (`stats.expert_bytes_per_token`)
+        from now on, or (`on=False`) stop. A forward hook on each router of a block whose routed experts
+        are off the GPU (zero copy or streamed) adds the experts its tokens reached to counters on the
+        device: no host synchronization per forward (reading `stats` synchronizes), and nothing at all
+        while off. Turning it on again starts from zero."""
+        if self._experts is not None:
+            self._experts.remove()
+            self._experts = None
+        if not on:
+            return
+        experts = self._cost.experts
+        in_place = [0] * len(self._blocks)
+        streamed = [0] * len(self._blocks)
+        for groups, into in ((self.engine.uva_groups, in_place), (self.engine.groups, streamed)):
+            for group in groups:
+                for entry, _ in group:
+                    if experts and len(entry.shape) == 3 and entry.shape[0] == experts:
+                        into[entry.owner] += entry.nbytes
+        blocks = [RoutedBlock(m, experts, in_place[i], streamed[i]) for i, m in enumerate(self._blocks)
+                  if in_place[i] or streamed[i]]
+        self._experts = ExpertCounter(blocks, self.device)
 
     @contextlib.contextmanager
     def edit(self):
@@ -231,6 +263,7 @@ class OffloadHandle:
             del block._ws_engine_id, block._ws_group
         for module in self._patched:
             del module._apply
+        self.count_experts(False)
         engine.guards.remove()  # after this, parameters() would read the slots: none is read below
         object.__delattr__(self.model, _HANDLE_ATTR)
         engine.transfer.close()

@@ -102,3 +102,48 @@ def test_the_planner_reads_experts_in_place_at_decode_and_stays_exact(name):
     assert handle.placement.gpu_bytes <= budget
     for _ in range(2):
         assert same(call(model, inputs), call(ref, inputs))
+
+
+def reached_per_router(model, inputs) -> list[tuple[int, int]]:
+    """(distinct experts reached, tokens) of each router call in one forward of `model`, from hooks of
+    the test's own on the routers' outputs."""
+    seen = []
+    hooks = [m.register_forward_hook(lambda m, a, out: seen.append((out[-1].unique().numel(),
+                                                                     out[-1].shape[0])))
+             for m in model.modules() if type(m).__name__.lower().endswith("router")]
+    call(model, inputs)
+    for h in hooks:
+        h.remove()
+    return seen
+
+
+@pytest.mark.parametrize("name", ["mixtral", "deepseek_v2", "gpt_oss"])
+def test_stats_count_expert_bytes_read_per_token_only_when_asked(name):
+    """Zero-copy experts cost the experts the tokens reached; a streamed block's experts all of them,
+    every call. Nothing is counted (no hooks) until count_experts(), nor after count_experts(False)."""
+    ref, model, inputs = build(name)
+    cost = prepare(model, gpu_memory=2**40, device="cpu").cost
+    apart = tuple(i for i in range(len(cost.block_bytes)) if cost.experts_apart(i))
+    stream, uva = apart[:1], apart[1:]
+    placement = placement_of(cost, stream, 1, uva, uva_experts=uva)
+    handle = ws.offload(model, gpu_memory=placement.gpu_bytes, device="cpu", placement=placement)
+    routers = [m for m in model.modules() if type(m).__name__.lower().endswith("router")]
+    call(model, inputs)
+    assert handle.stats.expert_bytes_per_token is None
+    assert not any(r._forward_hooks for r in routers)
+    handle.count_experts()
+    for _ in range(2):
+        assert same(call(model, inputs), call(ref, inputs))
+    reached = reached_per_router(ref, inputs)  # the routers of blocks apart, in order
+    tokens = reached[0][1]
+    moe_blocks = list(apart)
+    expected = 0.0
+    for block, (distinct, _) in zip(moe_blocks, reached, strict=True):
+        per_expert = cost.routed_bytes[block] / cost.experts
+        expected += cost.routed_bytes[block] if block in stream else distinct * per_expert
+    assert handle.stats.expert_bytes_per_token == pytest.approx(expected / tokens)
+    handle.count_experts(False)
+    assert handle.stats.expert_bytes_per_token is None and not any(r._forward_hooks for r in routers)
+    handle.count_experts()
+    handle.restore()
+    assert not any(r._forward_hooks for r in routers)

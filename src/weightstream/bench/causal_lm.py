@@ -8,6 +8,8 @@ PROMPT_TOKENS-token prompt, with its KV cache (what a user runs; eager only).
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
@@ -70,3 +72,57 @@ class CausalLM:
 
 
 CAUSAL_LM = CausalLM()
+
+
+# std of a standard Gumbel variable: router logits of this spread around log-popularity make top-k about
+# Zipf sampling without replacement (Gumbel top-k); the rows' own logits stand in for the Gumbel noise
+GUMBEL_STD = math.pi / math.sqrt(6)
+
+
+def routing_skew_text(s: float | None, seed: int) -> str:
+    """What a result records of its routing: the synthetic skew, or that there is none."""
+    if s is None:
+        return ("routing as the random router weights give it (close to uniform over the experts; no "
+                "synthetic routing skew)")
+    return (f"synthetic routing skew: each router's logits are log(rank^-{s:g}) plus its own random rows' "
+            f"logits (rows scaled to a Gumbel spread for unit-RMS inputs), so expert popularity follows "
+            f"about a Zipf({s:g}) law, over a random permutation of the experts per layer (seed {seed})")
+
+
+def _pin_channel(module: nn.Module, args: tuple):
+    """A router's forward pre-hook: its input with the last hidden channel set to 1, so that column of
+    its weight acts as a bias (routers without one); the experts still read the unchanged input."""
+    hidden = args[0].clone()
+    hidden[..., -1] = 1.0
+    return (hidden, *args[1:])
+
+
+@torch.no_grad()
+def skew_routing(model: nn.Module, s: float, seed: int) -> int:
+    """Make expert popularity of every router of `model` (a mixture of experts) follow about a Zipf(`s`)
+    law: logits log(rank^-s) over a random permutation of the experts per layer (seeded by `seed`), plus
+    the router's own random logits scaled to a Gumbel spread (std pi/sqrt(6) for inputs of unit RMS, as
+    an RMS norm with unit weights gives). The popularity term goes into the router's bias where it has
+    one (GPT-OSS), else into the weight's last column, with a forward pre-hook that gives the router
+    (only) an input whose last channel is 1. Returns how many routers were changed."""
+    from ..placement.experts import routers
+
+    found = routers(model)
+    for layer, (_, router) in enumerate(found):
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + layer)
+        experts = router.num_experts
+        popularity = -s * torch.log(torch.arange(1, experts + 1, dtype=torch.float64))
+        bias = popularity[torch.randperm(experts, generator=gen)]
+        weight = router.weight
+        rows = weight.float()
+        has_bias = isinstance(getattr(router, "bias", None), torch.Tensor)
+        columns = rows.shape[1] if has_bias else rows.shape[1] - 1
+        rows = rows[:, :columns]
+        rows = rows / rows.norm(dim=1, keepdim=True).clamp_min(1e-12) * GUMBEL_STD
+        weight[:, :columns] = rows.to(weight.dtype)
+        if has_bias:
+            router.bias.copy_(bias.to(router.bias.dtype))
+        else:
+            weight[:, -1] = bias.to(weight.device, weight.dtype)
+            router.register_forward_pre_hook(_pin_channel)
+    return len(found)

@@ -37,7 +37,7 @@ from .phases import DEFAULT_PHASES, parse_phase
 from .report import markdown_table, write_benchmarks_md
 from .runner import resolve_budget, run_suite
 from .schema import DEFAULT_MODES, load_results, validate_files
-from .shapes import shape_weight_bytes
+from .shapes import check_routing_skew, routing_skew, shape_weight_bytes
 
 
 def _csv(text: str) -> list[str]:
@@ -73,6 +73,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lora", type=int, default=None, metavar="RANK",
                    help="add an unfused LoRA adapter of this rank (random weights) to the attention "
                         "projections before any method runs, to measure what it costs")
+    p.add_argument("--routing-skew", type=float, default=None, metavar="S",
+                   help="mixtures of experts: set each router so expert popularity follows a Zipf(S) law "
+                        "(S > 0; a random permutation per layer, seeded by --seed), recorded as synthetic "
+                        "routing skew; without it routing is what the random weights give (close to uniform)")
     p.add_argument("--emulate-precision-casts", action="store_true",
                    help="Inductor rounds to bf16 where eager does (compiled exactness, benchmarks/README.md)")
     p.add_argument("--out", default=None,
@@ -124,6 +128,10 @@ def check_run(args: argparse.Namespace) -> torch.device:
         raise ArgumentError(f"--reps {args.reps}: time at least 1 forward per measurement")
     if args.lora is not None and args.lora < 1:
         raise ArgumentError(f"--lora {args.lora}: give the adapter's rank, at least 1 (e.g. --lora 16)")
+    try:
+        check_routing_skew(args.shape, args.routing_skew)
+    except ValueError as err:
+        raise ArgumentError(str(err)) from None
     for option, seconds in (("--max-seconds", args.max_seconds), ("--method-seconds", args.method_seconds)):
         if seconds is not None and not seconds > 0:  # `not >` also refuses nan
             raise ArgumentError(f"{option} {seconds:g}: give a positive number of seconds, or leave it out")
@@ -157,16 +165,19 @@ def main(argv: list[str] | None = None) -> int:
         device = check_run(args)
         kinds.check_suite(args)
         out = args.out or kinds.out_path(args)
-        doc = run_suite(args.shape, args.budgets, args.phases, args.methods, args.modes, args.reps, device,
-                        out, seed=args.seed, timeline=not args.no_timeline,
-                        emulate_precision_casts=args.emulate_precision_casts,
-                        command="weightstream bench " + shlex.join(argv), max_seconds=args.max_seconds,
-                        method_seconds=args.method_seconds, profile_dir=args.profile, lora=args.lora)
+        with routing_skew(args.shape, args.routing_skew, args.seed):
+            doc = run_suite(args.shape, args.budgets, args.phases, args.methods, args.modes, args.reps,
+                            device, out, seed=args.seed, timeline=not args.no_timeline,
+                            emulate_precision_casts=args.emulate_precision_casts,
+                            command="weightstream bench " + shlex.join(argv), max_seconds=args.max_seconds,
+                            method_seconds=args.method_seconds, profile_dir=args.profile, lora=args.lora)
     except (WeightstreamError, ValueError, OSError) as err:
         message = " ".join(str(err).split())  # one line, whatever the message held
         print(f"weightstream bench: {message}", file=sys.stderr)
         return USAGE_ERROR
     print("\n" + markdown_table([doc]), flush=True)
+    if doc["shape"].get("routing"):  # a mixture of experts: every row above was routed this way
+        print(f"\n{doc['shape']['name']}: {doc['shape']['routing']}", flush=True)
     return 0 if not doc.get("aborted") else 1
 
 

@@ -69,6 +69,7 @@ OPTION_KINDS = {
     "--emulate-precision-casts": ("emulate_precision_casts", ("suite",)),
     "--profile": ("profile", ("suite",)),
     "--lora": ("lora", ("suite",)),
+    "--routing-skew": ("routing_skew", ("suite",)),
     "--predict": ("predict", ("pipeline",)),
     "--decode-gbps": ("decode_gbps", ("pipeline",)),
     "--checkpoint-dir": ("checkpoint_dir", ("load",)),

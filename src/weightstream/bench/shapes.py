@@ -8,6 +8,8 @@ its own, plus the `Shape` entries that use it.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -16,7 +18,7 @@ from torch import nn
 
 from ..placement.shapes import SHAPES as PLANNING_SHAPES
 from ..sizes import format_size
-from .causal_lm import CAUSAL_LM
+from .causal_lm import CAUSAL_LM, routing_skew_text, skew_routing
 from .diffusion import SHAPE_FIELDS as DIFFUSION_SHAPES
 from .diffusion import Diffusion
 from .memory import module_bytes
@@ -52,20 +54,37 @@ class ModelKind(Protocol):
     # `requires` (a module to import), checked by `check_shape` before anything is built
 
 
+# config fields that give a mixture of experts' expert count
+EXPERT_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
 @dataclass(frozen=True)
 class Shape:
     """A named model shape: config fields (with `model_type`), its model kind, and a note on how it
-    differs from the published model (recorded with every result)."""
+    differs from the published model (recorded with every result). A mixture of experts may carry a
+    synthetic routing skew (`routing_skew`, a Zipf exponent; `causal_lm.skew_routing`, seeded by
+    `routing_seed`), applied when it is built."""
 
     name: str
     fields: dict
     model: ModelKind = CAUSAL_LM
     note: str = ""
+    routing_skew: float | None = None
+    routing_seed: int = 0
+
+    @property
+    def moe(self) -> bool:
+        """Whether the shape is a mixture of experts (its config names an expert count)."""
+        return any(self.fields.get(f) for f in EXPERT_FIELDS)
 
     def record(self) -> dict:
-        """The document's `shape` entry: name, config fields, dtype (and the note, where there is one)."""
+        """The document's `shape` entry: name, config fields, dtype (and the note, where there is one);
+        for a mixture of experts also `routing` (the synthetic routing skew, or that there is none) and
+        `routing_skew` (the Zipf exponent, None without one)."""
+        routing = ({"routing": routing_skew_text(self.routing_skew, self.routing_seed),
+                    "routing_skew": self.routing_skew} if self.moe else {})
         return {"name": self.name, **self.fields, "dtype": self.model.dtype_name,
-                **({"note": self.note} if self.note else {})}
+                **({"note": self.note} if self.note else {}), **routing}
 
 
 # A test-sized Llama, local to the bench (not a planning shape): CPU smoke runs of the whole harness.
@@ -159,9 +178,43 @@ def get_shape(name: str) -> Shape:
 
 
 def build_model(shape: str, device: torch.device, seed: int = 0) -> nn.Module:
-    """A model of `shape` with random weights created on `device`, in eval mode, no grads."""
+    """A model of `shape` with random weights created on `device`, in eval mode, no grads (its routers
+    skewed where the shape carries a routing skew)."""
     s = get_shape(shape)
-    return s.model.build(s.fields, device, seed)
+    model = s.model.build(s.fields, device, seed)
+    if s.routing_skew is not None:
+        skew_routing(model, s.routing_skew, s.routing_seed)
+    return model
+
+
+def check_routing_skew(shape: str, skew: float | None) -> None:
+    """Raise ValueError unless `skew` is None or a positive Zipf exponent for a mixture-of-experts
+    shape."""
+    if skew is None:
+        return
+    if not skew > 0:  # `not >` also refuses nan
+        raise ValueError(f"--routing-skew {skew:g}: give a positive Zipf exponent (e.g. 1.0), or leave it "
+                         "out")
+    if not get_shape(shape).moe:
+        moe = ", ".join(n for n, s in SHAPES.items() if s.moe)
+        raise ValueError(f"--routing-skew applies to mixtures of experts, not --shape {shape}: use one of "
+                         f"{moe}")
+
+
+@contextlib.contextmanager
+def routing_skew(shape: str, skew: float | None, seed: int = 0):
+    """Within the block, shape `shape` is built with a synthetic routing skew of Zipf exponent `skew`
+    (seeded by `seed`; None: as it is) and records it; the registry is as before afterwards."""
+    if skew is None:
+        yield
+        return
+    check_routing_skew(shape, skew)
+    before = SHAPES[shape]
+    SHAPES[shape] = dataclasses.replace(before, routing_skew=skew, routing_seed=seed)
+    try:
+        yield
+    finally:
+        SHAPES[shape] = before
 
 
 def shape_weight_bytes(shape: str) -> int:

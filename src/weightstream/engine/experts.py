@@ -1,0 +1,70 @@
+"""Counting the expert bytes a mixture of experts reads over the link, from its routers' choices.
+
+Installed only on request (`OffloadHandle.count_experts()`): a forward hook on each router of a block
+whose routed experts are off the GPU adds, on the device, how many distinct experts the call's tokens
+reached, the call's tokens and one call. No host synchronization and nothing Python-side per call that
+a CUDA graph replay would skip: the counts are device tensors, read (synchronizing) only when asked.
+Zero-copy experts cost the bytes of the experts reached; streamed ones the whole group's expert bytes
+per call, since a copy moves every expert before the router has run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..placement.experts import routers
+
+
+@dataclass(frozen=True)
+class RoutedBlock:
+    """A block whose routed experts are off the GPU, in bytes: `in_place_bytes` read in place (zero
+    copy; each expert is in_place_bytes / experts of them), `streamed_bytes` copied every call."""
+
+    module: nn.Module
+    experts: int
+    in_place_bytes: int
+    streamed_bytes: int
+
+
+class ExpertCounter:
+    """Forward hooks on the routers of `blocks` and the device counters they add to (see the module
+    docstring); `remove()` takes the hooks off."""
+
+    def __init__(self, blocks: list[RoutedBlock], device: torch.device) -> None:
+        self.sites: list[tuple[nn.Module, RoutedBlock]] = [
+            (router, block) for block in blocks for _, router in routers(block.module)]
+        # per router: experts reached (summed over calls), tokens, calls
+        self.counts = torch.zeros(len(self.sites), 3, dtype=torch.float64, device=device)
+        self.hooks = [router.register_forward_hook(self._hook(i)) for i, (router, _) in enumerate(self.sites)]
+
+    def _hook(self, i: int):
+        def count(module: nn.Module, args, output) -> None:
+            indices = output[-1]
+            reached = torch.zeros(module.num_experts, dtype=torch.float64, device=indices.device)
+            reached.index_fill_(0, indices.reshape(-1), 1.0)
+            tokens = indices.reshape(-1, indices.shape[-1]).shape[0]
+            row = self.counts[i]  # python numbers go in as kernel arguments: no host->device copy
+            row[0] += reached.sum()
+            row[1] += tokens
+            row[2] += 1.0
+        return count
+
+    def bytes_per_token(self) -> float | None:
+        """Expert bytes read over the link per token since the hooks went on (zero-copy experts reached
+        plus streamed expert groups per call, over the tokens of a forward counted once); None before
+        any token."""
+        counts = self.counts.tolist()  # the one synchronization: when asked
+        tokens = max((t for _, t, _ in counts), default=0.0)
+        if not tokens:
+            return None
+        total = sum(reached * block.in_place_bytes / block.experts + calls * block.streamed_bytes
+                    for (reached, _, calls), (_, block) in zip(counts, self.sites, strict=True))
+        return total / tokens
+
+    def remove(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks = []

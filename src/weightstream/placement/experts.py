@@ -1,0 +1,23 @@
+"""The routers of a mixture-of-experts model: the modules that choose each token's experts.
+
+transformers 5 gives every mixture of experts it fuses (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V2/V3,
+GPT-OSS) a router module with `num_experts`, `top_k` and a `weight` of shape [experts, hidden], whose
+forward returns (logits, scores, indices): indices [tokens, top_k] are the experts each token reads.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+def is_router(module: nn.Module) -> bool:
+    """Whether `module` is a top-k router as transformers 5 builds them (see the module docstring)."""
+    experts, top_k = getattr(module, "num_experts", None), getattr(module, "top_k", None)
+    weight = getattr(module, "weight", None)
+    return (isinstance(experts, int) and isinstance(top_k, int) and 0 < top_k < experts
+            and isinstance(weight, nn.Parameter) and weight.dim() == 2 and weight.shape[0] == experts)
+
+
+def routers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(qualified name, module) of every router in `model`, in module order."""
+    return [(name, m) for name, m in model.named_modules() if is_router(m)]
