@@ -1,0 +1,120 @@
+"""`weightstream bench` on mixtures of experts: `--routing-skew S` (Zipf expert popularity, recorded as
+synthetic in the shape record of every result document), its refusals, and that routing without it is
+recorded as what the random weights give."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from weightstream.bench import cli
+from weightstream.bench.causal_lm import skew_routing
+from weightstream.bench.shapes import SHAPES, build_model, routing_skew
+from weightstream.placement.experts import routers
+
+pytest.importorskip("transformers")
+
+
+def popularity(model, ids: torch.Tensor) -> list[torch.Tensor]:
+    """Each router's share of the token-expert choices per expert, over one forward."""
+    counts = []
+    hooks = [r.register_forward_hook(lambda m, a, out: counts.append(
+        torch.bincount(out[-1].flatten(), minlength=m.num_experts).double())) for _, r in routers(model)]
+    with torch.no_grad():
+        model(ids, use_cache=False)
+    for h in hooks:
+        h.remove()
+    return [c / c.sum() for c in counts]
+
+
+def wide_moe(seed: int = 0):
+    """A Qwen3-MoE with 32 experts, top 4, wide enough for its router inputs to look random."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(vocab_size=512, hidden_size=256, intermediate_size=256, moe_intermediate_size=32,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                            num_experts=32, num_experts_per_tok=4)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config).eval().requires_grad_(False)
+
+
+def zipf_top_share(experts: int, top_k: int, s: float, most: int) -> float:
+    """The share of token-expert choices the `most` most popular experts take when tokens draw `top_k`
+    experts without replacement in proportion to rank^-s (Gumbel top-k)."""
+    gen = torch.Generator().manual_seed(0)
+    logits = -s * torch.log(torch.arange(1, experts + 1, dtype=torch.float64))
+    gumbel = -torch.log(-torch.log(torch.rand(20000, experts, generator=gen, dtype=torch.float64)))
+    chosen = torch.topk(logits + gumbel, top_k).indices
+    return (chosen < most).double().mean().item()
+
+
+def test_routing_skew_makes_expert_popularity_zipf_like_permuted_per_layer_and_seeded():
+    ids = torch.randint(0, 512, (1, 96), generator=torch.Generator().manual_seed(0))
+    model = wide_moe()
+    again = copy.deepcopy(model)
+    before = popularity(model, ids)
+    assert skew_routing(model, 1.2, seed=3) == 2
+    skewed = popularity(model, ids)
+    ideal = zipf_top_share(32, 4, 1.2, 4)  # about 0.5 (uniform: 0.125)
+    for plain, after in zip(before, skewed, strict=True):
+        # the router inputs of random weights are not isotropic: their own skew adds to the Zipf law's
+        top = after.sort(descending=True).values[:4].sum()
+        assert ideal - 0.1 < top < 0.95 and top > plain.sort(descending=True).values[:4].sum()
+    assert not torch.equal(skewed[0].argsort(), skewed[1].argsort())  # a permutation of its own per layer
+    skew_routing(again, 1.2, seed=3)
+    assert all(torch.equal(a, b) for a, b in zip(popularity(again, ids), skewed, strict=True))
+
+
+def test_a_skewed_model_offloads_exactly():
+    import weightstream as ws
+
+    ref = wide_moe()
+    skew_routing(ref, 1.0, seed=0)
+    model = copy.deepcopy(ref)
+    ws.offload(model, gpu_memory=sum(p.nbytes for p in model.parameters()) // 3, device="cpu", strategy="uva")
+    ids = torch.randint(0, 512, (1, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(model(ids, use_cache=False).logits, ref(ids, use_cache=False).logits)
+
+
+def test_the_registry_is_restored_and_the_shape_record_says_synthetic():
+    plain = SHAPES["tiny-moe"]
+    assert "no synthetic routing skew" in plain.record()["routing"] and plain.record()["routing_skew"] is None
+    assert "routing" not in SHAPES["tiny"].record()
+    with routing_skew("tiny-moe", 1.5, seed=2):
+        record = SHAPES["tiny-moe"].record()
+        assert record["routing"].startswith("synthetic routing skew") and record["routing_skew"] == 1.5
+        model = build_model("tiny-moe", torch.device("cpu"), seed=2)
+        assert any(r._forward_pre_hooks for _, r in routers(model))  # Mixtral's router has no bias
+    assert SHAPES["tiny-moe"] is plain
+
+
+@pytest.mark.parametrize("skew", [None, 1.0])
+def test_a_cpu_run_records_its_routing_in_the_document_and_the_printout(tmp_path, capsys, skew):
+    out = tmp_path / "moe.json"
+    argv = ["--device", "cpu", "--shape", "tiny-moe", "--budgets", "0.5", "--phases", "decode-b1",
+            "--methods", "resident,ws-uva", "--modes", "eager", "--reps", "1", "--no-timeline",
+            "--out", str(out)] + ([] if skew is None else ["--routing-skew", str(skew)])
+    assert cli.main(argv) == 0
+    doc = json.loads(out.read_text())
+    assert all(r["exact"] in (None, True) for r in doc["results"])
+    routing = doc["shape"]["routing"]
+    assert routing.startswith("synthetic routing skew: ") == (skew is not None)
+    assert doc["shape"]["routing_skew"] == skew
+    assert routing in capsys.readouterr().out
+    assert SHAPES["tiny-moe"].routing_skew is None
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--shape", "tiny", "--routing-skew", "1.0"], "applies to mixtures of experts"),
+    (["--shape", "tiny-moe", "--routing-skew", "0"], "positive Zipf exponent"),
+    (["--shape", "tiny-moe", "--routing-skew", "nan"], "positive Zipf exponent"),
+    (["--kind", "codec", "--routing-skew", "1.0"], "--routing-skew does not apply to --kind codec"),
+])
+def test_routing_skew_refusals_are_one_line_and_exit_2(capsys, argv, says):
+    assert cli.main(["--device", "cpu", *argv, "--out", "/nonexistent/never.json"]) == 2
+    err = capsys.readouterr().err
+    assert says in err and err.count("\n") == 1
