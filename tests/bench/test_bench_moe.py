@@ -118,3 +118,18 @@ def test_routing_skew_refusals_are_one_line_and_exit_2(capsys, argv, says):
     assert cli.main(["--device", "cpu", *argv, "--out", "/nonexistent/never.json"]) == 2
     err = capsys.readouterr().err
     assert says in err and err.count("\n") == 1
+
+
+def test_whole_block_zero_copy_against_experts_in_place_on_the_cpu(tmp_path):
+    """`ws-uva-whole-blocks` reads zero-copy blocks whole, `ws-uva` may read only their routed experts:
+    both exact, and the placements say which."""
+    out = tmp_path / "uva.json"
+    assert cli.main(["--device", "cpu", "--shape", "tiny-moe", "--budgets", "0.3", "--phases", "decode-b1",
+                     "--methods", "resident,ws-uva,ws-uva-whole-blocks", "--modes", "eager", "--reps", "1",
+                     "--no-timeline", "--out", str(out)]) == 0
+    rows = {r["method"]: r for r in json.loads(out.read_text())["results"]}
+    assert rows["ws-uva"]["exact"] and rows["ws-uva-whole-blocks"]["exact"]
+    assert "only their routed experts" in rows["ws-uva"]["setup"]["placement"]
+    assert "routed experts" not in rows["ws-uva-whole-blocks"]["setup"]["placement"]
+    predicted = {m: rows[m]["setup"]["prediction"]["warm_ms"] for m in ("ws-uva", "ws-uva-whole-blocks")}
+    assert predicted["ws-uva"] < predicted["ws-uva-whole-blocks"]

@@ -16,6 +16,7 @@ predicts slower.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 from ..errors import ArgumentError, BudgetError
@@ -125,32 +126,47 @@ def spread(n: int, k: int) -> tuple[int, ...]:
     return tuple(sorted({(2 * i + 1) * n // (2 * k) for i in range(k)}))
 
 
-def _candidates(n: int, strategy: str, max_slots: int, max_part: int, apart: tuple[int, ...] = ()):
-    """(streamed, uva, n_slots, part, uva_experts) of block indices for `strategy`; part 0 streams
-    whole blocks, part p in 1..max_part - 1 each streamed block's p largest tensors. `apart`: the blocks
-    whose routed experts can be read in place without the rest of them; of k zero-copy blocks, e of
-    those (for every e) do so, and in mixes with streamed blocks none or all of them."""
-    yield (), (), 0, 0, ()  # everything resident
+def _candidates(n: int, strategy: str, max_slots: int, max_part: int):
+    """(streamed, uva, n_slots, part) of block indices for `strategy`; part 0 streams whole blocks,
+    part p in 1..max_part - 1 each streamed block's p largest tensors."""
+    yield (), (), 0, 0  # everything resident
     for k in range(1, n + 1):
         off = spread(n, k)
         if strategy in ("auto", "uva"):
-            yield (), off, 0, 0, ()
-            able = tuple(b for b in off if b in apart)
-            for e in range(1, len(able) + 1):
-                yield (), off, 0, 0, tuple(able[i] for i in spread(len(able), e))
+            yield (), off, 0, 0
         if strategy == "uva":
             continue
         splits = range(k) if strategy == "auto" else [0]  # u of the k off-GPU blocks read in place
         for u in splits:
             in_place = tuple(off[i] for i in spread(k, u)) if u else ()
             streamed = tuple(b for b in off if b not in in_place)
-            experts = tuple(b for b in in_place if b in apart)
-            for uva_experts in ((), experts) if experts else ((),):
-                for n_slots in range(min(max_slots, len(streamed)), 0, -1):
-                    yield streamed, in_place, n_slots, 0, uva_experts
+            for n_slots in range(min(max_slots, len(streamed)), 0, -1):
+                yield streamed, in_place, n_slots, 0
         for part in range(1, max_part):
             for n_slots in range(min(max_slots, k), 0, -1):
-                yield off, (), n_slots, part, ()
+                yield off, (), n_slots, part
+
+
+def _expert_candidates(n: int, strategy: str, max_slots: int, apart: tuple[int, ...]):
+    """(streamed, uva, n_slots, part, uva_experts): the zero-copy candidates of `_candidates` whose
+    blocks of `apart` (those whose routed experts can be read in place without the rest of them) read
+    only their experts in place: of k zero-copy blocks, e of those for every e; in mixes with streamed
+    blocks all of them."""
+    if not apart or strategy == "stream":
+        return
+    for k in range(1, n + 1):
+        off = spread(n, k)
+        able = tuple(b for b in off if b in apart)
+        for e in range(1, len(able) + 1):
+            yield (), off, 0, 0, tuple(able[i] for i in spread(len(able), e))
+        if strategy == "uva":
+            continue
+        for u in range(1, k):
+            in_place = tuple(off[i] for i in spread(k, u))
+            streamed = tuple(b for b in off if b not in in_place)
+            experts = tuple(b for b in in_place if b in apart)
+            for n_slots in range(min(max_slots, len(streamed)), 0, -1) if experts else ():
+                yield streamed, in_place, n_slots, 0, experts
 
 
 def placement_of(
@@ -263,7 +279,9 @@ def plan(
     best: Placement | None = None
     max_part = max((len(t) for t in model.tensor_bytes), default=0)
     apart = tuple(i for i in range(n) if model.experts_apart(i)) if experts_apart else ()
-    for streamed, uva, n_slots, part, uva_experts in _candidates(n, strategy, max_slots, max_part, apart):
+    candidates = itertools.chain(((*c, ()) for c in _candidates(n, strategy, max_slots, max_part)),
+                                 _expert_candidates(n, strategy, max_slots, apart))
+    for streamed, uva, n_slots, part, uva_experts in candidates:
         for compressed in options if streamed else (False,):
             for buffers in landing_options(n_slots, len(streamed)) if compressed else (None,):
                 candidate = placement_of(model, streamed, n_slots, uva, part, tokens, profile, budget,

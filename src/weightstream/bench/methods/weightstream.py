@@ -29,7 +29,8 @@ def placement_text(handle: OffloadHandle) -> str:
     """One line: the strategy, streamed blocks (and part) / slots, zero-copy blocks."""
     p = handle.placement
     part = f" (each block's {p.part} largest tensors)" if p.part else ""
-    return f"{p.kind}: {len(p.streamed)} streamed{part} / {p.n_slots} slots, {len(p.uva)} zero copy"
+    experts = f" ({len(p.uva_experts)} of them only their routed experts)" if p.uva_experts else ""
+    return f"{p.kind}: {len(p.streamed)} streamed{part} / {p.n_slots} slots, {len(p.uva)} zero copy{experts}"
 
 
 def prediction(handle: OffloadHandle) -> dict | None:
@@ -66,13 +67,20 @@ def decoder_rate(handle: OffloadHandle, device: torch.device, calls: int = 20) -
     return enc.raw_bytes / (statistics.median(times) / 1e3) / 1e9
 
 
-def ws_prepare(strategy: str, **options) -> Prepare:
+def ws_prepare(strategy: str, experts_apart: bool = True, **options) -> Prepare:
     """A prepare that offloads with `strategy` (and any further `offload` keyword `options`), planned
-    for the phase's tokens; undo restores every tensor to where the model was."""
+    for the phase's tokens; undo restores every tensor to where the model was. `experts_apart=False`:
+    zero-copy blocks of a mixture of experts are read in place whole (`plan.plan`)."""
 
     def prepare(model: nn.Module, budget: int | None, tokens: int, device: torch.device):
         home, before = home_device(model), allocated(device)
-        handle = offload(model, gpu_memory=budget, device=device, strategy=strategy, tokens=tokens, **options)
+        given = dict(options)
+        if not experts_apart:
+            from ...placement.prepare import prepare as plan_only
+
+            given["placement"] = plan_only(model, budget, device, strategy=strategy, tokens=tokens,
+                                           experts_apart=False, **options).placement
+        handle = offload(model, gpu_memory=budget, device=device, strategy=strategy, tokens=tokens, **given)
         stats = handle.stats
         info = {"stats": asdict(stats), "placement": placement_text(handle), "prediction": prediction(handle),
                 "allocated_before_bytes": before, "allocated_after_bytes": allocated(device),
@@ -105,6 +113,9 @@ METHODS = (
     Method("ws-auto-compress", ws_prepare("auto", compress=True), MODES,
            "weightstream, the planner's choice with groups losslessly compressed on the wire (compress=True)",
            gives_reference=True),
+    Method("ws-uva-whole-blocks", ws_prepare("uva", experts_apart=False), MODES,
+           "weightstream, blocks read in place from pinned memory whole (a mixture of experts' dense "
+           "tensors too, every token)", gives_reference=True, in_default=False),
     Method("ws-stream-raw", ws_prepare("stream", compress=False), MODES,
            "weightstream, blocks streamed through staging slots, every group raw on the wire "
            "(compress=False)",
