@@ -76,3 +76,34 @@ def test_experts_in_place_are_exact_eager_and_in_a_graph_and_leave_the_gpu(name,
     assert torch.equal(out_model, out_ref)
     handle.restore()
     assert all(p.is_cuda for p in model.parameters())
+
+
+def test_expert_counts_follow_graph_replays_without_a_host_synchronization():
+    """count_experts() on the GPU: the hooks' work is device-side (torch's sync debug mode raises on a
+    synchronizing call), and CUDA graph replays, which run no Python, are counted too."""
+    ref, model, ids = gpu_twin("mixtral")
+    handle = experts_in_place(model)
+    handle.count_experts()
+    router, _ = handle._experts.sites[0]
+    with torch.no_grad():
+        out = router(torch.randn(4, router.weight.shape[1], device="cuda", dtype=torch.bfloat16))
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            handle._experts._hook(0)(router, (), out)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    handle.count_experts()  # from zero
+    with torch.no_grad():
+        eager = model(ids, use_cache=False).logits
+    per_forward = handle.stats.expert_bytes_per_token
+    assert per_forward and per_forward > 0
+    with torch.no_grad():
+        replay = capture_graph(lambda x: model(x, use_cache=False).logits, ids)  # 2 warm-up calls, 1 captured
+    handle.count_experts()
+    for _ in range(3):
+        replay()
+    torch.cuda.synchronize()
+    assert torch.equal(replay(), eager)
+    # each replay reached the experts the eager forward did: the same bytes per token
+    assert handle.stats.expert_bytes_per_token == pytest.approx(per_forward)
+    handle.restore()
