@@ -153,6 +153,9 @@ def generate(
         raise ArgumentError(f"max_new_tokens={max_new_tokens}: generate at least 1 token")
     if do_sample and temperature <= 0:
         raise ArgumentError(f"temperature={temperature}: sample at a temperature above 0, or do_sample=False")
+    if generator is not None and generator.device.type != "cpu":
+        raise ArgumentError(f"a generator on {generator.device}: acceptance draws on the host, give "
+                            "torch.Generator() (on the CPU), seeded as you like")
     drafter = resolve_draft(draft, compile)
     shape = TreeShape(width, depth) if draft is not None else TreeShape(1, 0)
     draft_model = drafter.model if isinstance(drafter, DraftModel) else None
