@@ -73,3 +73,9 @@ def test_compiled_verify_is_one_fullgraph_and_offloaded_equals_its_reference(mod
     assert torch.equal(a.tokens, b.tokens) and torch.equal(a.logits, b.logits)
     # one graph per generation, whatever its passes: every verify pass after the first replays it
     assert b.stats.passes > 1 and torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
+
+
+def test_a_cuda_generator_is_refused_with_the_way_out():
+    model = make_model("llama").cuda()
+    with pytest.raises(ws.ArgumentError, match="give torch.Generator\\(\\) \\(on the CPU\\)"):
+        ws.generate(model, prompt(), 2, do_sample=True, generator=torch.Generator(device="cuda"))
