@@ -24,25 +24,44 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--fraction", type=float, default=0.4,
                       help="GPU budget as a fraction of the weight bytes (default 0.4)")
     demo.add_argument("--new-tokens", type=int, default=32, help="tokens to generate (default 32)")
-    gen = sub.add_parser("generate", help="load a local checkpoint offloaded and generate text")
-    gen.add_argument("path", help="a local Hugging Face checkpoint folder (config, safetensors, tokenizer)")
+    gen = sub.add_parser("generate", help="load a local checkpoint offloaded and generate text, or an image "
+                                          "from a diffusers pipeline folder")
+    gen.add_argument("path", help="a local Hugging Face checkpoint folder of a causal LM (config, "
+                                  "safetensors, tokenizer), or a diffusers pipeline folder "
+                                  "(model_index.json), loaded straight into place")
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--gpu-memory", default="auto",
                      help='GPU budget for the weights, e.g. "20GiB" (default auto: the free GPU memory minus '
                           'max(2 GiB, 10%%))')
-    gen.add_argument("--max-new-tokens", type=int, default=64)
-    gen.add_argument("--compile", action="store_true",
-                     help="static KV cache and torch.compile(fullgraph=True)")
-    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    gen.add_argument("--cpu-memory", default=None,
+                     help='host memory for offloaded weights, e.g. "16GiB"; streamed groups beyond it are '
+                          "read from the checkpoint files every call (default: no limit)")
     gen.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
-    gen.add_argument("--dtype", default=None, help="e.g. bfloat16 (default: the checkpoint's)")
-    gen.add_argument("--speculate", default=None, metavar="{prompt-lookup,DRAFT_FOLDER}",
-                     help="speculative decoding: drafts from n-grams of the context (prompt-lookup) or from "
-                          "a small checkpoint with the same tokenizer (its folder, loaded resident); the "
-                          "model verifies a tree of drafted tokens per forward")
-    gen.add_argument("--tree", default=None, metavar="WIDTHxDEPTH",
-                     help="the drafted tree of each verify forward with --speculate (default 4x6: "
-                          "1 + 4*6 tokens; 1xN is a chain)")
+    gen.add_argument("--dtype", default=None,
+                     help="e.g. bfloat16 (default: the checkpoint's; for a pipeline each component's)")
+    text = gen.add_argument_group("text (a causal LM checkpoint)")
+    text.add_argument("--max-new-tokens", type=int, default=None, help="tokens to generate (default 64)")
+    text.add_argument("--compile", action="store_true",
+                      help="static KV cache and torch.compile(fullgraph=True)")
+    text.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    text.add_argument("--speculate", default=None, metavar="{prompt-lookup,DRAFT_FOLDER}",
+                      help="speculative decoding: drafts from n-grams of the context (prompt-lookup) or from "
+                           "a small checkpoint with the same tokenizer (its folder, loaded resident); the "
+                           "model verifies a tree of drafted tokens per forward")
+    text.add_argument("--tree", default=None, metavar="WIDTHxDEPTH",
+                      help="the drafted tree of each verify forward with --speculate (default 4x6: "
+                           "1 + 4*6 tokens; 1xN is a chain)")
+    image = gen.add_argument_group("image (a diffusers pipeline folder)")
+    image.add_argument("--steps", type=int, default=None,
+                       help="denoising steps (default: the pipeline's own, e.g. 28 for Flux)")
+    image.add_argument("--size", type=int, default=None, metavar="PIXELS",
+                       help="the image's width and height (default: the pipeline's own, e.g. 1024 for Flux)")
+    image.add_argument("--seed", type=int, default=None,
+                       help="seed of the starting noise, drawn on the CPU so it is the same on any device "
+                            "(default 0)")
+    image.add_argument("--out", default=None,
+                       help="the PNG file to write (default: image.png in the current folder; replaced if it "
+                            "exists)")
     probe = sub.add_parser("probe", help="measure this GPU's link and GEMM rates for the planner (cached)")
     probe.add_argument("--refresh", action="store_true", help="measure again even if cached")
     plan = sub.add_parser("plan", help="show where a model's weights would go under a budget")
@@ -60,7 +79,9 @@ def main(argv: list[str] | None = None) -> int:
                       help="dtype to plan in (default: a folder's checkpoint dtype, for a pipeline each "
                            "component's; bfloat16 for built-ins)")
     plan.add_argument("--cpu-memory", default=None,
-                      help='host memory for offloaded weights, as for from_pretrained (default: no limit)')
+                      help='host memory for offloaded weights, as for from_pretrained (default: no limit); '
+                           "for a pipeline folder the output shows each component's share and what stays on "
+                           "disk")
     plan.add_argument("--steps", type=int, default=None,
                       help="denoising steps per generation (pipeline folders only; default 28)")
     plan.add_argument("--json", action="store_true", help="print JSON for tools")
@@ -100,7 +121,8 @@ def _run(args: argparse.Namespace) -> int:
         _check_plan_options(args, pipeline)
         compress = {"auto": "auto", "true": True, "false": False}[args.compress]
         config = OffloadConfig(args.gpu_memory, strategy=args.strategy, compress=compress)
-        report = (plan_pipeline(args.model, config, args.steps or DEFAULT_STEPS, dtype=args.dtype)
+        report = (plan_pipeline(args.model, config, args.steps or DEFAULT_STEPS, dtype=args.dtype,
+                                cpu_memory=args.cpu_memory)
                   if pipeline
                   else plan_report(args.model, config, args.tokens, dtype=args.dtype,
                                    cpu_memory=args.cpu_memory))
@@ -108,13 +130,24 @@ def _run(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=1) if args.json else text)
         return 0
     if args.command == "generate":
-        from .generate import generate_text
+        from .generate import generate_image, generate_text
+        from .pipeline import is_pipeline_folder
 
-        summary = generate_text(
-            args.path, args.prompt, OffloadConfig(args.gpu_memory, device=args.device),
-            max_new_tokens=args.max_new_tokens, compile=args.compile, chat=args.chat, dtype=args.dtype,
-            speculate=args.speculate, tree=_tree_option(args),
-        )
+        pipeline = is_pipeline_folder(args.path)
+        _check_generate_options(args, pipeline)
+        config = OffloadConfig(args.gpu_memory, device=args.device)
+        if pipeline:
+            summary = generate_image(
+                args.path, args.prompt, config, cpu_memory=args.cpu_memory, steps=args.steps,
+                size=args.size, seed=0 if args.seed is None else args.seed, dtype=args.dtype,
+                **({"out": args.out} if args.out is not None else {}),
+            )
+        else:
+            summary = generate_text(
+                args.path, args.prompt, config, max_new_tokens=64 if args.max_new_tokens is None else
+                args.max_new_tokens, compile=args.compile, chat=args.chat, dtype=args.dtype,
+                speculate=args.speculate, tree=_tree_option(args), cpu_memory=args.cpu_memory,
+            )
         print(summary)
         return 0
     return USAGE_ERROR
@@ -130,20 +163,42 @@ def _tree_option(args: argparse.Namespace) -> str:
     return args.tree or "4x6"
 
 
+def _refuse_unused(given: dict[str, object], why: str) -> None:
+    """Raise ArgumentError naming every option of `given` (option: its value, None or False when not
+    given) that this kind of model would ignore, `why` saying what it applies to."""
+    from .errors import ArgumentError
+
+    ignored = [option for option, value in given.items() if value is not None and value is not False]
+    if ignored:
+        names = " and ".join(ignored)
+        raise ArgumentError(f"{names} not used here: {why}; drop {names}")
+
+
 def _check_plan_options(args: argparse.Namespace, pipeline: bool) -> None:
     """Refuse an option `weightstream plan` would ignore for this kind of model, or a step count below 1."""
     from .errors import ArgumentError
 
     if args.steps is not None and args.steps < 1:
         raise ArgumentError(f"--steps {args.steps}: a generation takes at least 1 denoising step")
-    given = ({"--tokens": args.tokens, "--cpu-memory": args.cpu_memory} if pipeline
-             else {"--steps": args.steps})
-    ignored = [option for option, value in given.items() if value is not None]
-    if ignored:
-        what = ("a pipeline folder (model_index.json) is planned per component at its default tokens, "
-                "with no host memory limit" if pipeline else "only a pipeline folder (model_index.json) "
-                                                            "has denoising steps")
-        raise ArgumentError(f"{' and '.join(ignored)} not used here: {what}; drop {' and '.join(ignored)}")
+    if pipeline:
+        _refuse_unused({"--tokens": args.tokens}, "a pipeline folder (model_index.json) is planned per "
+                                                  "component at its default tokens")
+    else:
+        _refuse_unused({"--steps": args.steps},
+                       "only a pipeline folder (model_index.json) has denoising steps")
+
+
+def _check_generate_options(args: argparse.Namespace, pipeline: bool) -> None:
+    """Refuse an option `weightstream generate` would ignore: the text options for a pipeline folder, the
+    image options for a causal LM checkpoint."""
+    if pipeline:
+        _refuse_unused({"--max-new-tokens": args.max_new_tokens, "--compile": args.compile,
+                        "--chat": args.chat, "--speculate": args.speculate, "--tree": args.tree},
+                       f"{args.path} is a diffusers pipeline folder (model_index.json), which makes an "
+                       "image, not text")
+    else:
+        _refuse_unused({"--steps": args.steps, "--size": args.size, "--seed": args.seed, "--out": args.out},
+                       "only a diffusers pipeline folder (model_index.json) makes an image")
 
 
 def _probe(refresh: bool) -> int:

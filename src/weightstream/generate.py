@@ -1,11 +1,16 @@
-"""`weightstream generate`: load a local checkpoint offloaded, stream the generated text, summarize.
-With `speculate`, the text comes from speculative decoding (`ws.generate`) and is printed at the end."""
+"""`weightstream generate`: load a local checkpoint offloaded and generate from a prompt, then summarize.
+
+A causal LM's checkpoint (`generate_text`) streams the generated text; with `speculate`, the text comes
+from speculative decoding (`ws.generate`) and is printed at the end. A diffusers pipeline folder
+(`generate_image`) is loaded straight into place and makes one image, saved as a PNG file."""
 
 from __future__ import annotations
 
+import inspect
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -14,6 +19,7 @@ from .dtypes import parse_dtype
 from .errors import ArgumentError, CheckpointError
 from .formats.hf import checkpoint_folder, from_pretrained, model_class, read_config
 from .offload import handle_of
+from .pipeline import DENOISERS
 from .sizes import format_size
 from .speculative import GenerationStats
 from .speculative import generate as speculative_generate
@@ -30,6 +36,7 @@ class GenerationSummary:
     gpu_allocated_bytes: int | None
     pinned_bytes: int
     speculation: GenerationStats | None = None
+    disk_bytes: int = 0  # streamed groups left in the checkpoint files (a cpu_memory limit)
 
     @property
     def tokens_per_second(self) -> float:
@@ -40,6 +47,8 @@ class GenerationSummary:
         text = (f"{self.new_tokens} tokens in {self.seconds:.2f} s: {self.tokens_per_second:.2f} tokens/s, "
                 f"time to first token {self.first_token_seconds * 1000:.0f} ms, GPU allocated {gpu}, "
                 f"pinned {format_size(self.pinned_bytes)}")
+        if self.disk_bytes:
+            text += f", on disk {format_size(self.disk_bytes)}"
         spec = self.speculation
         if spec is not None:
             text += (f"; speculative ({spec.draft}, tree {spec.width}x{spec.depth}): {spec.passes} verify "
@@ -112,15 +121,18 @@ def generate_text(
     echo: bool = True,
     speculate: str | None = None,
     tree: str = "4x6",
+    cpu_memory: int | str | None = None,
 ) -> GenerationSummary:
     """Load `path` offloaded under `gpu_memory`, generate greedily from `prompt`, print the text as it
     comes (when `echo`), and return the summary. compile: static KV cache and
     `torch.compile(fullgraph=True)` of the forward. chat: wrap the prompt in the tokenizer's chat
     template. speculate: "prompt-lookup" or the folder of a draft checkpoint with the same tokenizer
     (loaded resident): speculative decoding with trees of `tree` ("WIDTHxDEPTH") tokens, a progress bar
-    on stderr and the text printed at the end. Raises ArgumentError for an empty prompt or fewer than one
-    new token, CheckpointError for a checkpoint of a model that does not generate text (an encoder such
-    as BertModel)."""
+    on stderr and the text printed at the end. cpu_memory: host memory for the offloaded weights, bytes
+    or "16GiB", as for `from_pretrained` (None: no limit; groups beyond it are read from the checkpoint
+    files every forward). Raises ArgumentError for an empty prompt or fewer than one new token,
+    CheckpointError for a checkpoint of a model that does not generate text (an encoder such as
+    BertModel)."""
     if not prompt:
         raise ArgumentError("--prompt is empty: give the text to continue, e.g. --prompt 'Hello'")
     if max_new_tokens < 1:
@@ -134,7 +146,7 @@ def generate_text(
     folder = checkpoint_folder(path)
     _check_generates(model_class(read_config(folder), folder), folder)  # before the tokenizer or weights
     tokenizer = _load_tokenizer(path)
-    model = from_pretrained(path, gpu_memory, dtype=dtype, device=device)
+    model = from_pretrained(path, gpu_memory, cpu_memory=cpu_memory, dtype=dtype, device=device)
     handle = handle_of(model)
     if chat:
         if not getattr(tokenizer, "chat_template", None):
@@ -165,6 +177,7 @@ def generate_text(
             torch.cuda.memory_allocated(handle.device) if handle.device.type == "cuda" else None
         ),
         pinned_bytes=handle.stats.pinned_bytes,
+        disk_bytes=handle.stats.disk_bytes,
     )
 
 
@@ -190,4 +203,162 @@ def _speculate(model, tokenizer, ids: torch.Tensor, speculate: str, width: int, 
         ),
         pinned_bytes=handle.stats.pinned_bytes,
         speculation=out.stats,
+        disk_bytes=handle.stats.disk_bytes,
     )
+
+
+DEFAULT_IMAGE = "image.png"  # generate_image's file, in the current folder
+
+
+@dataclass(frozen=True)
+class ImageSummary:
+    """What one `generate_image` run did. Times in seconds (step_ms: milliseconds per denoising step,
+    None where the pipeline takes no step callback), sizes in bytes, width and height in pixels."""
+
+    path: str
+    width: int
+    height: int
+    steps: int
+    load_seconds: float
+    seconds: float
+    step_ms: float | None
+    gpu_allocated_bytes: int | None
+    pinned_bytes: int
+    disk_bytes: int
+
+    def __str__(self) -> str:
+        gpu = "n/a (CPU)" if self.gpu_allocated_bytes is None else format_size(self.gpu_allocated_bytes)
+        per_step = "n/a" if self.step_ms is None else f"{self.step_ms:.0f} ms"
+        text = (f"{self.path} ({self.width}x{self.height}): loaded in {self.load_seconds:.2f} s, generated "
+                f"in {self.seconds:.2f} s, {self.steps} steps at {per_step} per step, GPU allocated {gpu}, "
+                f"pinned {format_size(self.pinned_bytes)}")
+        if self.disk_bytes:
+            text += f", on disk {format_size(self.disk_bytes)}"
+        return text
+
+
+class _StepClock:
+    """Times the denoising steps of one generation, from the denoiser's first call to the end of the last
+    step: CUDA events on a GPU (nothing waits for the GPU during the steps), the host clock on the CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.start = self.end = None
+        self.steps = 0
+
+    def _now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def first_call(self, module, args) -> None:
+        """A forward pre-hook on the denoiser."""
+        if self.start is None:
+            self.start = self._now()
+
+    def step_end(self, pipe, step: int, timestep, tensors: dict) -> dict:
+        """diffusers' `callback_on_step_end`: changes nothing."""
+        self.steps += 1
+        self.end = self._now()
+        return {}
+
+    def ms_per_step(self) -> float | None:
+        """Milliseconds per step, after the generation (the GPU synchronized); None when no step ran."""
+        if self.start is None or self.end is None or not self.steps:
+            return None
+        ms = self.start.elapsed_time(self.end) if self.cuda else (self.end - self.start) * 1e3
+        return ms / self.steps
+
+
+def generate_image(
+    path: str | os.PathLike,
+    prompt: str,
+    gpu_memory: int | str | OffloadConfig,
+    *,
+    cpu_memory: int | str | None = None,
+    steps: int | None = None,
+    size: int | None = None,
+    seed: int = 0,
+    out: str | os.PathLike = DEFAULT_IMAGE,
+    dtype: str | None = None,
+    device: str | None = None,
+    progress: bool = True,
+) -> ImageSummary:
+    """Load the diffusers pipeline folder `path` straight into place (`from_pretrained`: its weights
+    never all in host memory) under `gpu_memory` and `cpu_memory` (bytes or "16GiB"; None: no limit,
+    else streamed groups beyond it stay in their files), make one image from `prompt` and save it as a
+    PNG file at `out` (replaced if it exists); return the summary.
+
+    steps: denoising steps (default: the pipeline's own). size: the image's width and height in pixels
+    (default: the pipeline's own). seed: of a CPU generator, so a seed gives the same starting noise on
+    any device. dtype: every component's (default: each in the dtype its weights are stored in).
+    progress: the load's progress bars (diffusers' step bar is the pipeline's own setting). The
+    generation is timed on its own, and its denoising steps from the denoiser's first call to the end
+    of the last step. Raises ArgumentError for an empty prompt, steps or size below 1, an `out` that is
+    not a .png file in an existing folder, or a request the pipeline refuses (a size it cannot make);
+    CheckpointError for a pipeline that makes no images (a video pipeline)."""
+    if not prompt:
+        raise ArgumentError("--prompt is empty: describe the image, e.g. --prompt 'a red cat'")
+    if steps is not None and steps < 1:
+        raise ArgumentError(f"--steps {steps}: a generation takes at least 1 denoising step")
+    if size is not None and size < 1:
+        raise ArgumentError(f"--size {size}: give the image's width and height in pixels, e.g. --size 1024")
+    out = Path(out)
+    if out.suffix.lower() != ".png":
+        raise ArgumentError(f"--out {out}: the image is saved as PNG; give a file name ending in .png")
+    if not out.parent.is_dir():
+        raise ArgumentError(f"--out {out}: the folder {out.parent} does not exist; create it or give another")
+    if dtype is not None:
+        parse_dtype(dtype)  # before anything is loaded
+    start = time.perf_counter()
+    handle = from_pretrained(path, gpu_memory, cpu_memory=cpu_memory, dtype=dtype, device=device,
+                             progress=progress)
+    on = next(iter(handle.handles.values())).device
+    _synchronize(on)
+    load_seconds = time.perf_counter() - start
+    pipe = handle.pipe
+    kwargs = {"generator": torch.Generator().manual_seed(seed)}
+    if steps is not None:
+        kwargs["num_inference_steps"] = steps
+    if size is not None:
+        kwargs["height"] = kwargs["width"] = size
+    clock = _StepClock(on)
+    hooks = []
+    if "callback_on_step_end" in inspect.signature(pipe.__call__).parameters:
+        kwargs["callback_on_step_end"] = clock.step_end
+        denoiser = next((handle.pipe.components[n] for n in DENOISERS if n in handle.handles), None)
+        if denoiser is not None:
+            hooks.append(denoiser.register_forward_pre_hook(clock.first_call))
+    start = time.perf_counter()
+    try:
+        result = pipe(prompt, **kwargs)
+    except ValueError as err:  # diffusers' check of the request (a size it cannot make...)
+        first = str(err).splitlines()[0][:300] if str(err) else type(err).__name__
+        raise ArgumentError(f"{type(pipe).__name__} refuses this request ({first}): change --size or "
+                            "--steps") from None
+    finally:
+        for hook in hooks:
+            hook.remove()
+    _synchronize(on)
+    seconds = time.perf_counter() - start
+    images = getattr(result, "images", None)
+    if images is None or len(images) == 0 or not hasattr(images[0], "save"):
+        raise CheckpointError(f"{path}: {type(pipe).__name__} gives no images (a video pipeline gives "
+                              "frames): weightstream generate saves one image; call this pipeline in Python")
+    image = images[0]
+    image.save(out, format="PNG")
+    stats = handle.stats.components.values()
+    return ImageSummary(
+        path=str(out), width=image.width, height=image.height,
+        steps=clock.steps or steps or 0, load_seconds=load_seconds, seconds=seconds,
+        step_ms=clock.ms_per_step(),
+        gpu_allocated_bytes=torch.cuda.memory_allocated(on) if on.type == "cuda" else None,
+        pinned_bytes=sum(s.pinned_bytes for s in stats), disk_bytes=sum(s.disk_bytes for s in stats),
+    )
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

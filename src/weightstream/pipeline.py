@@ -30,7 +30,7 @@ from .dtypes import default_dtype
 from .errors import ArgumentError, BudgetError, CheckpointError, OffloadStateError
 from .handle import OffloadHandle, OffloadStats, offload_module
 from .placement.cost import ModelCost
-from .placement.plan import Placement, _candidates, landing_options, placement_of, wire_of
+from .placement.plan import Placement, _candidates, choose_disk_groups, landing_options, placement_of, wire_of
 from .placement.prepare import prepare
 from .placement.probe import MachineProfile, load_profile
 from .sizes import format_size, parse_size
@@ -343,7 +343,7 @@ def host_shares(needs: dict[str, tuple[int, list[int]]], calls: dict[str, int],
     """Each component's host memory, in bytes, out of `cpu_memory` for a pipeline loaded into place.
     needs[name] = (its zero-copy bytes, each of its streamed groups' bytes). Every component first gets
     what it cannot do without: its zero-copy bytes, plus all its groups or, when those are more, the
-    disk tier's two bounce buffers of its largest group (`formats.hf.choose_disk_groups`: each group
+    disk tier's two bounce buffers of its largest group (`placement.plan.choose_disk_groups`: each group
     beyond its share stays on disk). The rest goes to the components called most per generation first
     (a group kept on disk is read once per call), each up to all its groups in host memory. Pure logic.
     None (no limit) gives every component None. Raises BudgetError with the least cpu_memory that fits."""
@@ -617,13 +617,19 @@ def meta_components(folder: str, dtype: torch.dtype | str | None = None,
 
 def plan_pipeline(folder: str, gpu_memory: int | str | OffloadConfig, steps: int = DEFAULT_STEPS,
                   strategy: str = "auto", profile: MachineProfile | None = None,
-                  compress: bool | str = "auto", dtype: torch.dtype | str | None = None) -> dict:
+                  compress: bool | str = "auto", dtype: torch.dtype | str | None = None,
+                  cpu_memory: int | str | None = None) -> dict:
     """`weightstream plan` for a pipeline folder: each component's placement under one `gpu_memory`
     budget (as `offload(pipe, ...)` would split it), its calls per generation, predicted ms and bytes on
     the wire; plain data. Components are built on the meta device from their configs (no weights read)
     in `dtype`, by default each in the dtype its weights are stored in (`stored_dtype`; bfloat16 for a
     folder of configs only), so compressed sizes are predicted for Hugging Face-initialized weights.
-    compress: as for `offload_pipeline` ("auto" plans raw groups on a machine without CUDA)."""
+    compress: as for `offload_pipeline` ("auto" plans raw groups on a machine without CUDA).
+    cpu_memory: host memory for all streamed groups, bytes or "16GiB", as for `from_pretrained(folder)`
+    (None: no limit): each component's `host_bytes` is its share (`host_shares`, as the load shares it;
+    with no limit, all its zero-copy and streamed bytes) and `disk_bytes` the tensor bytes of its groups
+    that stay in their files (`choose_disk_groups`, as the load chooses them; `OffloadStats.disk_bytes`
+    after a load at the default steps). Raises BudgetError, as the load does, when it is too small."""
     config = config_of(gpu_memory, strategy=strategy, compress=compress, profile=profile)
     strategy, compress, budget = config.strategy, config.compress, config.gpu_memory
     modules = meta_components(folder, dtype)
@@ -632,6 +638,7 @@ def plan_pipeline(folder: str, gpu_memory: int | str | OffloadConfig, steps: int
     # wire sizes whenever compression is considered (built on the meta device, so "auto" would mean raw)
     costs = component_costs(modules, "cpu", allow_meta=True, compress=compress is not False)
     plans = split_budget(costs, budget, calls, tokens, profile, strategy, compress)
+    host = _host_tier(modules, plans, config, calls, None if cpu_memory is None else parse_size(cpu_memory))
     rows = {}
     for name, p in plans.items():
         pl = p.placement
@@ -647,33 +654,72 @@ def plan_pipeline(folder: str, gpu_memory: int | str | OffloadConfig, steps: int
                       "landing_bytes": pl.landing_bytes,
                       "ms_first_call": round(pl.prediction.ms, 2),
                       "ms_per_call": round(pl.prediction.again_ms, 2),
-                      "ms_per_generation": round(p.generation_ms, 1)}
+                      "ms_per_generation": round(p.generation_ms, 1), **host[name]}
     return {"pipeline": folder, "budget_bytes": budget, "steps": steps, "compress": compress,
+            "cpu_memory_bytes": None if cpu_memory is None else parse_size(cpu_memory),
+            "host_bytes": sum(r["host_bytes"] for r in rows.values()),
+            "disk_bytes": sum(r["disk_bytes"] for r in rows.values()),
             "profile": {"gpu": profile.gpu, "h2d_GBps": round(profile.h2d_GBps, 1)},
             "gpu_bytes": sum(r["gpu_bytes"] for r in rows.values()),
             "predicted_ms_per_generation": round(sum(p.generation_ms for p in plans.values()), 1),
             "components": rows}
 
 
+def _host_tier(modules: dict[str, nn.Module], plans: dict[str, ComponentPlan], config: OffloadConfig,
+               calls: dict[str, int], cpu_memory: int | None) -> dict[str, dict[str, int]]:
+    """Where each component's offloaded bytes live when its pipeline folder is loaded with `cpu_memory`
+    bytes of host memory for them (None: no limit), decided as `load_pipeline` and `load_into_place`
+    decide it: `host_bytes` (its share, `host_shares`), `disk_bytes` and `disk_groups` (the tensor bytes
+    and count of its streamed groups left in their files, `choose_disk_groups`). Moves nothing."""
+    preps = {name: prepare(m, config.replace(gpu_memory=plans[name].placement.gpu_bytes,
+                                             placement=plans[name].placement,
+                                             compress=plans[name].placement.compressed),
+                           allow_meta=True, predict_wire=False)
+             for name, m in modules.items()}
+    needs = {name: (sum(prep.uva_group_bytes), prep.group_bytes) for name, prep in preps.items()}
+    shares = host_shares(needs, calls, cpu_memory)
+    tiers = {}
+    for name, prep in preps.items():
+        uva, groups = needs[name]
+        share = shares[name]
+        on_disk = choose_disk_groups(groups, None if share is None else share - uva)
+        tiers[name] = {"host_bytes": uva + sum(groups) if share is None else share,
+                       "disk_bytes": sum(entry.nbytes for g in on_disk for entry, _ in prep.groups[g]),
+                       "disk_groups": len(on_disk)}
+    return tiers
+
+
 def format_pipeline_plan(r: dict) -> str:
-    """A readable table of `plan_pipeline`'s result: per component its placement and, for what streams,
-    the bytes one call moves over the link ("wire": compressed blobs, or the raw groups) and the ratio."""
+    """A readable table of `plan_pipeline`'s result: per component its placement, the host memory it gets
+    and the bytes left on disk (under a `cpu_memory` limit) and, for what streams, the bytes one call
+    moves over the link ("wire": compressed blobs, or the raw groups) and the ratio."""
     lines = [f"{r['pipeline']}: budget {format_size(r['budget_bytes'])} for all components, {r['steps']} "
              f"steps, on {r['profile']['gpu']} ({r['profile']['h2d_GBps']} GB/s host->GPU)",
-             f"{'component':16}{'calls':>6}{'weights':>12}{'on GPU':>12}{'streamed':>9}{'zero copy':>10}"
-             f"{'wire/call':>12}{'ratio':>7}{'ms/call':>10}{'ms/gen':>10}  strategy"]
+             f"{'component':16}{'calls':>6}{'weights':>12}{'on GPU':>12}{'host':>12}{'on disk':>12}"
+             f"{'streamed':>9}{'zero copy':>10}{'wire/call':>12}{'ratio':>7}{'ms/call':>10}{'ms/gen':>10}"
+             "  strategy"]
     for name, c in r["components"].items():
         ratio = c["wire_bytes"] / c["wire_raw_bytes"] if c["wire_raw_bytes"] else 1.0
         kind = c["placement_kind"] + (f", compressed (landing buffers {c['landing_buffers']} x "
                                       f"{format_size(c['landing_bytes'])})" if c["compressed"] else "")
         lines.append(f"{name:16}{c['calls']:>6}{format_size(c['weight_bytes']):>12}"
-                     f"{format_size(c['gpu_bytes']):>12}{c['streamed_blocks']:>9}{c['zero_copy_blocks']:>10}"
+                     f"{format_size(c['gpu_bytes']):>12}{format_size(c['host_bytes']):>12}"
+                     f"{format_size(c['disk_bytes']):>12}{c['streamed_blocks']:>9}{c['zero_copy_blocks']:>10}"
                      f"{format_size(c['wire_bytes']):>12}{ratio:>7.3f}{c['ms_per_call']:>10.1f}"
                      f"{c['ms_per_generation']:>10.1f}  {kind}")
     lines.append(f"GPU memory for weights: {format_size(r['gpu_bytes'])} (landing buffers included); "
                  f"predicted {r['predicted_ms_per_generation']:.0f} ms per generation (denoiser steps plus "
                  "one call of each other component; the VAE's convolutions are costed as GEMMs, a rough "
                  "guess)")
+    if r["cpu_memory_bytes"] is None:
+        lines.append(f"host memory for offloaded weights: {format_size(r['host_bytes'])} (no cpu_memory "
+                     "limit: nothing on disk)")
+    else:
+        lines.append(f"host memory for offloaded weights: at most {format_size(r['host_bytes'])} of "
+                     f"cpu_memory {format_size(r['cpu_memory_bytes'])} (the components called most per "
+                     f"generation first); {format_size(r['disk_bytes'])} stay on disk, read every call through "
+                     "two pinned bounce buffers of their component's largest group (counted in its host "
+                     "memory)")
     if r["compress"] is not False:
         lines.append("compressed sizes are predicted for Hugging Face-initialized weights; real ones differ")
     return "\n".join(lines)

@@ -26,7 +26,7 @@ from ..handle import OffloadHandle, finish
 from ..pipeline import PipelineHandle, is_pipeline_folder, load_pipeline
 from ..placement.entries import Entry
 from ..placement.layout import Slice
-from ..placement.plan import spread
+from ..placement.plan import choose_disk_groups
 from ..placement.prepare import final_places, prepare
 from ..placement.probe import MachineProfile
 from ..sizes import format_size, parse_size
@@ -256,28 +256,6 @@ def _fill(pairs, places: dict[int, torch.Tensor], progress: bool) -> None:
         for _, entry, source in sorted(units, key=lambda u: u[0]):
             source.fill(places[id(entry)], bounce)
             bar.update(source.nbytes)
-
-
-def choose_disk_groups(group_bytes: list[int], cpu_memory: int | None) -> frozenset[int]:
-    """Which streamed groups stay on disk when host memory for them is limited to `cpu_memory` bytes,
-    two pinned bounce buffers of the largest group counted. Disk groups are spread through the model,
-    so the disk reader works ahead while host groups stream."""
-    if cpu_memory is None or sum(group_bytes) <= cpu_memory:
-        return frozenset()
-    bounce = max(group_bytes)
-    room = cpu_memory - 2 * bounce
-    if room < 0:
-        raise BudgetError(
-            f"cpu_memory={format_size(cpu_memory)} cannot hold the disk tier's two bounce buffers: give at "
-            f"least {format_size(2 * bounce)} ({2 * bounce} bytes), or no cpu_memory limit",
-            2 * bounce,
-        )
-    n = len(group_bytes)
-    for k in range(1, n + 1):
-        on_disk = spread(n, k)
-        if sum(b for g, b in enumerate(group_bytes) if g not in on_disk) <= room:
-            return frozenset(on_disk)
-    raise AssertionError("unreachable: all groups on disk always fit")
 
 
 def from_pretrained(

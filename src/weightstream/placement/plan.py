@@ -126,6 +126,30 @@ def spread(n: int, k: int) -> tuple[int, ...]:
     return tuple(sorted({(2 * i + 1) * n // (2 * k) for i in range(k)}))
 
 
+def choose_disk_groups(group_bytes: list[int], cpu_memory: int | None) -> frozenset[int]:
+    """The indices of the streamed groups (sizes in bytes) that stay on disk when host memory for them
+    is limited to `cpu_memory` bytes (None: no limit), two pinned bounce buffers of the largest group
+    counted: `from_pretrained`'s disk tier. Disk groups are spread through the model, so the disk
+    reader works ahead while host groups stream. Pure logic. Raises BudgetError when `cpu_memory`
+    cannot hold the two bounce buffers."""
+    if cpu_memory is None or sum(group_bytes) <= cpu_memory:
+        return frozenset()
+    bounce = max(group_bytes)
+    room = cpu_memory - 2 * bounce
+    if room < 0:
+        raise BudgetError(
+            f"cpu_memory={format_size(cpu_memory)} cannot hold the disk tier's two bounce buffers: give at "
+            f"least {format_size(2 * bounce)} ({2 * bounce} bytes), or no cpu_memory limit",
+            2 * bounce,
+        )
+    n = len(group_bytes)
+    for k in range(1, n + 1):
+        on_disk = spread(n, k)
+        if sum(b for g, b in enumerate(group_bytes) if g not in on_disk) <= room:
+            return frozenset(on_disk)
+    raise AssertionError("unreachable: all groups on disk always fit")
+
+
 def _candidates(n: int, strategy: str, max_slots: int, max_part: int):
     """(streamed, uva, n_slots, part) of block indices for `strategy`; part 0 streams whole blocks,
     part p in 1..max_part - 1 each streamed block's p largest tensors."""
