@@ -125,6 +125,10 @@ MISTAKES = {  # name: (argv after the folder, how to spoil the folder, what the 
     "plan unknown model": (["plan", "no-such-model"], None, "built-in shape"),
     "plan --steps 0": (["plan", "{}", "--steps", "0"], None, "at least 1 denoising step"),
     "plan --steps without a pipeline": (["plan", "{}", "--steps", "4"], None, "drop --steps"),
+    "generate --steps without a pipeline": (["generate", "{}", "--steps", "4"], None, "drop --steps"),
+    "generate image options without a pipeline": (
+        ["generate", "{}", "--size", "64", "--seed", "0", "--out", "x.png"], None,
+        "--size and --seed and --out not used here: only a diffusers pipeline folder"),
     "plan budget too small": (["plan", "llama-3-8b", "--gpu-memory", "1GiB"], None, "give at least"),
     "plan cpu_memory too small": (["plan", "llama-3-8b", "--gpu-memory", "3GiB", "--cpu-memory", "1MB"],
                                   None, "cpu_memory"),
@@ -215,7 +219,7 @@ def pipeline_folder(tmp_path):
     return tmp_path, pipe
 
 
-@pytest.mark.parametrize("option", [["--tokens", "64"], ["--cpu-memory", "1GiB"]])
+@pytest.mark.parametrize("option", [["--tokens", "64"]])
 def test_plan_of_a_pipeline_folder_refuses_an_option_it_would_ignore(pipeline_folder, option, capsys):
     folder, _ = pipeline_folder
     assert main(["plan", str(folder), "--gpu-memory", "1MB", *option]) == 2
@@ -241,3 +245,24 @@ def test_plan_of_a_pipeline_folder_takes_the_dtype_its_weights_are_stored_in(pip
     assert main(["plan", str(folder / "transformer"), "--gpu-memory", "1MB", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["dtype"] == "float32" and report["weight_bytes"] == fp32["transformer"]
+
+
+@pytest.mark.parametrize("options, says", [
+    (["--max-new-tokens", "8"], "drop --max-new-tokens"),
+    (["--chat", "--compile"], "drop --compile and --chat"),
+    (["--speculate", "prompt-lookup", "--tree", "2x2"], "drop --speculate and --tree"),
+    (["--tree", "2x2"], "drop --tree"),
+    (["--steps", "0"], "at least 1 denoising step"),
+    (["--size", "0"], "--size 0"),
+    (["--out", "cat.jpg"], "ending in .png"),
+    (["--out", "no/such/folder/cat.png"], "does not exist"),
+    (["--prompt", ""], "--prompt is empty"),
+])
+def test_generate_on_a_pipeline_folder_refuses_text_options_and_bad_image_options(pipeline_folder, options,
+                                                                                  says, capsys):
+    folder, _ = pipeline_folder
+    argv = ["generate", str(folder), "--prompt", "a red cat", "--gpu-memory", "1MB", "--device", "cpu"]
+    assert main(argv + options) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("weightstream generate: ") and says in err, err
+    assert "image, not text" in err or "drop" not in err

@@ -624,6 +624,38 @@ def test_a_cpu_memory_below_the_streamed_groups_keeps_groups_on_disk_exactly(bf1
     some.restore()
 
 
+def test_plan_with_cpu_memory_shows_each_components_host_share_and_disk_bytes_as_the_load_gets_them(
+        bf16_folder, capsys):
+    import json
+    import re
+
+    from weightstream.cli import main
+
+    folder, _, _, total = bf16_folder
+    plan = ["plan", folder, "--gpu-memory", str(total // 2)]
+    assert main([*plan, "--cpu-memory", "1000"]) == 2  # too small: the load's BudgetError, one line
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "cpu_memory=1000 B cannot hold" in err and "Traceback" not in err, err
+    least = int(re.search(r"give at least .*?\((\d+) bytes\)", err)[1])
+    for cpu_memory in (least, least + 40_000, None):
+        assert main([*plan, "--json"] + (["--cpu-memory", str(cpu_memory)] if cpu_memory else [])) == 0
+        report = json.loads(capsys.readouterr().out)
+        handle = ws.from_pretrained(folder, gpu_memory=total // 2, cpu_memory=cpu_memory, device="cpu",
+                                    progress=False)
+        for name, c in report["components"].items():
+            s, p = handle.stats.components[name], handle.placements[name]
+            assert (c["gpu_bytes"], c["streamed_blocks"]) == (p.gpu_bytes, len(p.streamed)), name
+            assert c["disk_bytes"] == s.disk_bytes, (name, cpu_memory)
+        assert report["disk_bytes"] == disk_bytes(handle) and report["cpu_memory_bytes"] == cpu_memory
+        assert (report["disk_bytes"] > 0) == (cpu_memory is not None)
+        if cpu_memory is not None:
+            assert report["host_bytes"] <= cpu_memory
+        handle.restore()
+    assert main([*plan, "--cpu-memory", str(least)]) == 0
+    text = capsys.readouterr().out
+    assert "on disk" in text.splitlines()[1] and "stay on disk" in text, text
+
+
 @settings(max_examples=200, deadline=None)
 @given(groups=st.lists(st.tuples(st.integers(0, 30), st.lists(st.integers(1, 40), max_size=5),
                                  st.integers(0, 30)), min_size=1, max_size=4),

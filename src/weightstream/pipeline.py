@@ -670,8 +670,9 @@ def _host_tier(modules: dict[str, nn.Module], plans: dict[str, ComponentPlan], c
     """Where each component's offloaded bytes live when its pipeline folder is loaded with `cpu_memory`
     bytes of host memory for them (None: no limit), decided as `load_pipeline` and `load_into_place`
     decide it: `host_bytes` (its share, `host_shares`), `disk_bytes` and `disk_groups` (the tensor bytes
-    and count of its streamed groups left in their files, `choose_disk_groups`). Moves nothing."""
-    preps = {name: prepare(m, config.replace(gpu_memory=plans[name].placement.gpu_bytes,
+    and count of its streamed groups left in their files, `choose_disk_groups`). Moves nothing; a
+    group's byte layout is the same on every device, so the groups are laid out for the CPU."""
+    preps = {name: prepare(m, config.replace(device="cpu", gpu_memory=plans[name].placement.gpu_bytes,
                                              placement=plans[name].placement,
                                              compress=plans[name].placement.compressed),
                            allow_meta=True, predict_wire=False)
@@ -717,9 +718,9 @@ def format_pipeline_plan(r: dict) -> str:
     else:
         lines.append(f"host memory for offloaded weights: at most {format_size(r['host_bytes'])} of "
                      f"cpu_memory {format_size(r['cpu_memory_bytes'])} (the components called most per "
-                     f"generation first); {format_size(r['disk_bytes'])} stay on disk, read every call through "
-                     "two pinned bounce buffers of their component's largest group (counted in its host "
-                     "memory)")
+                     f"generation first); {format_size(r['disk_bytes'])} stay on disk, read every call "
+                     "through two pinned bounce buffers of their component's largest group (counted in its "
+                     "host memory)")
     if r["compress"] is not False:
         lines.append("compressed sizes are predicted for Hugging Face-initialized weights; real ones differ")
     return "\n".join(lines)
