@@ -44,10 +44,11 @@ def test_greedy_speculative_equals_plain_greedy_on_real_prompts(smollm2):
     offloaded = copy.deepcopy(model)
     ws.offload(offloaded, gpu_memory=int(weight_bytes(model) * 0.5), device="cpu", strategy="stream")
     accepted = {"prompt-lookup": [], "int4-sym-g64": []}
-    for ids in prompts(tokenizer, 4):
-        want = model.generate(ids, max_new_tokens=32, do_sample=False, attention_mask=torch.ones_like(ids))
+    # two prompts (one of each task) keep CI's 2 cores under two minutes; the benchmark runs 50
+    for ids in prompts(tokenizer, 2):
+        want = model.generate(ids, max_new_tokens=24, do_sample=False, attention_mask=torch.ones_like(ids))
         for name, kind in (("prompt-lookup", "prompt-lookup"), ("int4-sym-g64", draft)):
-            out = ws.generate(offloaded, ids, 32, draft=kind, width=4, depth=6)
+            out = ws.generate(offloaded, ids, 24, draft=kind, width=4, depth=6)
             assert torch.equal(out.tokens, want), (name, tokenizer.decode(ids[0]))
             accepted[name].append(out.stats.accepted_per_pass)
     for name, values in accepted.items():
