@@ -31,7 +31,7 @@ from .placement.plan import Placement
 from .placement.probe import H200 as REFERENCE_PROFILE
 from .placement.probe import MachineProfile
 from .sizes import format_size, parse_size
-from .speculative import Generation, GenerationStats, generate
+from .speculative import Generation, GenerationStats, SelfDraft, generate
 
 __all__ = [
     "REFERENCE_PROFILE",
@@ -51,6 +51,7 @@ __all__ = [
     "PipelineHandle",
     "PipelineStats",
     "Placement",
+    "SelfDraft",
     "UnsupportedTensorError",
     "WeightstreamError",
     "format_size",

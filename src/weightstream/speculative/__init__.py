@@ -11,6 +11,8 @@ about the same for one token as for a tree of many, so each accepted token saves
     draft.py          the Draft protocol; resolve_draft (what `draft=` may name)
     prompt_lookup.py  PromptLookup: n-gram matches in the context, no weights
     draft_model.py    DraftModel: a small causal LM with the same tokenizer, drafting a beam tree
+    quantize.py       symmetric int8 / int4 weight-only quantization in groups (pure torch)
+    self_draft.py     SelfDraft: the model's own resident modules plus low-bit copies of its off-GPU blocks
     checks.py         what generate refuses, with the change that fixes it
     loop.py           generate(), Generation, GenerationStats
 """
@@ -19,7 +21,8 @@ from .draft import Draft, NoDraft
 from .draft_model import DraftModel
 from .loop import Generation, GenerationStats, generate
 from .prompt_lookup import PromptLookup
+from .self_draft import SelfDraft
 from .tree import Tree, TreeShape
 
-__all__ = ["Draft", "DraftModel", "Generation", "GenerationStats", "NoDraft", "PromptLookup", "Tree",
-           "TreeShape", "generate"]
+__all__ = ["Draft", "DraftModel", "Generation", "GenerationStats", "NoDraft", "PromptLookup", "SelfDraft",
+           "Tree", "TreeShape", "generate"]

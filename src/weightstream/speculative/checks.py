@@ -58,14 +58,23 @@ def check_length(config, prompt: int, max_new_tokens: int, depth: int) -> int:
     return positions
 
 
-def check_memory(need: int, available: int | None, where: str) -> None:
-    """BudgetError where the generation's KV caches and tree activations (`need`, bytes) exceed what is
-    `available` (bytes; None: no limit)."""
-    if available is not None and need > available:
+def check_memory(need: int, available: int | None, where: str, draft_bytes: int = 0, draft: str = "") -> None:
+    """BudgetError where the generation's KV caches and tree activations (`need`, bytes) plus the
+    low-bit copies a self-draft is about to build (`draft_bytes`, bytes; `draft` names its scheme)
+    exceed what is `available` (bytes; None: no limit)."""
+    if available is None or need + draft_bytes <= available:
+        return
+    if draft_bytes:
         raise BudgetError(
-            f"the KV caches and a verify pass need {format_size(need)}, {where} has "
-            f"{format_size(available)}: lower max_new_tokens, the tree's width or depth, or the model's "
-            "gpu_memory", need)
+            f"the {draft} draft's low-bit copies ({format_size(draft_bytes)}) with the KV caches and a "
+            f"verify pass ({format_size(need)}) need {format_size(need + draft_bytes)}, {where} has "
+            f"{format_size(available)}: draft with SelfDraft(bits=4) if it is 8, or offload the model with "
+            f"a gpu_memory {format_size(need + draft_bytes - available)} smaller so the draft fits beside "
+            "its weights (or raise cache_memory if the GPU has the room)", need + draft_bytes)
+    raise BudgetError(
+        f"the KV caches and a verify pass need {format_size(need)}, {where} has "
+        f"{format_size(available)}: lower max_new_tokens, the tree's width or depth, or the model's "
+        "gpu_memory", need)
 
 
 def generation_bytes(model, draft_model, length: int, tree_tokens: int, vocab: int) -> int:

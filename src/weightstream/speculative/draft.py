@@ -2,10 +2,11 @@
 
 A draft proposes a tree of tokens that may follow the context; the target verifies it. A draft that
 keeps state (a draft model's KV cache) hears the start of a generation and each accepted path. Kinds:
-`"prompt-lookup"` (n-gram matches in the context, no weights: `PromptLookup`), any small causal LM with
-the model's tokenizer (an `nn.Module`, wrapped in `DraftModel`), None (no draft: one token per pass),
-or any object with the methods of `Draft`. `"self"` (low-bit copies of the model's streamed blocks) is
-a name reserved for a draft that shares the target's resident weights and KV cache.
+`"prompt-lookup"` (n-gram matches in the context, no weights: `PromptLookup`), `"self"` (the model's own
+resident modules plus int4 copies of the blocks it keeps off the GPU, groups of 128: `SelfDraft`, which
+also takes other bits and groups), any small causal LM with the model's tokenizer (an `nn.Module`,
+wrapped in `DraftModel`), None (no draft: one token per pass), or any object with the methods of
+`Draft`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from torch import nn
 from ..errors import ArgumentError
 from .tree import Tree, TreeShape, chain_tree
 
-DRAFT_NAMES = ("prompt-lookup",)
+DRAFT_NAMES = ("prompt-lookup", "self")
 
 
 @runtime_checkable
@@ -53,10 +54,11 @@ class NoDraft:
 
 
 def resolve_draft(draft, compile: bool | str = False) -> Draft:
-    """The `Draft` that `generate(draft=...)` names: "prompt-lookup", an `nn.Module` (a causal LM with
-    the model's tokenizer), None, or a `Draft`. Raises ArgumentError for anything else."""
+    """The `Draft` that `generate(draft=...)` names: "prompt-lookup", "self", an `nn.Module` (a causal LM
+    with the model's tokenizer), None, or a `Draft`. Raises ArgumentError for anything else."""
     from .draft_model import DraftModel
     from .prompt_lookup import PromptLookup
+    from .self_draft import SelfDraft
 
     if draft is None:
         return NoDraft()
@@ -64,14 +66,12 @@ def resolve_draft(draft, compile: bool | str = False) -> Draft:
         if draft == "prompt-lookup":
             return PromptLookup()
         if draft == "self":
-            raise ArgumentError("draft='self' (low-bit copies of the model's own streamed blocks) is not "
-                                "available yet: use draft='prompt-lookup' or a small causal LM with the "
-                                "model's tokenizer (draft=AutoModelForCausalLM.from_pretrained(...))")
-        raise ArgumentError(f"draft={draft!r}: give 'prompt-lookup', a small causal LM with the model's "
-                            "tokenizer (an nn.Module), or None for plain decoding")
+            return SelfDraft()
+        raise ArgumentError(f"draft={draft!r}: give 'prompt-lookup', 'self', a small causal LM with the "
+                            "model's tokenizer (an nn.Module), or None for plain decoding")
     if isinstance(draft, nn.Module):
         return DraftModel(draft, compile=compile)
     if isinstance(draft, Draft):
         return draft
-    raise ArgumentError(f"draft of type {type(draft).__name__}: give 'prompt-lookup', a small causal LM "
-                        "with the model's tokenizer (an nn.Module), or None for plain decoding")
+    raise ArgumentError(f"draft of type {type(draft).__name__}: give 'prompt-lookup', 'self', a small "
+                        "causal LM with the model's tokenizer (an nn.Module), or None for plain decoding")

@@ -36,39 +36,54 @@ class DraftModel:
         self.forward.prefill(prompt)
 
     def propose(self, context: torch.Tensor, shape: TreeShape) -> Tree:
-        forward = self.forward
-        length = forward.cache.length
         start = context.numel() - 1  # the root's position
-        tokens = torch.zeros(shape.tokens, dtype=torch.long)
-        parents = torch.full((shape.tokens,), -1, dtype=torch.long)
-        valid = torch.zeros(shape.tokens, dtype=torch.bool)
-        tokens[0], valid[0] = context[-1], True
         if shape.depth == 0:
-            return Tree(shape, tokens, parents, valid)
+            return grow_beam(self.forward, None, context, shape)
         pair = torch.arange(start - 1, start + 1)
-        logits = forward.run(context[-2:], pair, pair, causal_mask(start - 1, 2, length))[1:]
-        scores = torch.zeros(1, dtype=torch.float64)  # cumulative log-probability of each fed node
-        fed = slice(0, 1)
-        for depth in range(1, shape.depth + 1):
-            level = shape.level(depth)
-            logp = torch.log_softmax(logits.double(), dim=-1).cpu() + scores[:, None]
-            logp[~valid[fed]] = float("-inf")
-            best, flat = torch.topk(logp.flatten(), shape.width)
-            vocab = logp.shape[-1]
-            tokens[level] = flat % vocab
-            parents[level] = flat // vocab + fed.start
-            valid[level] = best > float("-inf")
-            parents[level][~valid[level]] = -1
-            if depth == shape.depth:
-                break
-            tree = Tree(shape, tokens, parents, valid)
-            positions = torch.full((shape.width,), start + depth, dtype=torch.long)
-            write_at = torch.arange(level.start, level.stop) + start
-            logits = forward.run(tokens[level], positions, write_at, tree_mask(tree, start, length)[level])
-            scores, fed = best, level
-        return Tree(shape, tokens, parents, valid)
+        mask = causal_mask(start - 1, 2, self.forward.cache.length)
+        logits = self.forward.run(context[-2:], pair, pair, mask)
+        return grow_beam(self.forward, logits[1:], context, shape)
 
     def accept(self, path: list[int], start: int) -> None:
         """Keep the accepted path's keys and values, as the target's cache does."""
         src, dst = path_moves(path, start, len(path) - 1)
         self.forward.cache.move(src, dst)
+
+    def device_bytes(self) -> int:
+        """Bytes the draft holds on its device: the model's weights and its KV cache so far."""
+        seen = {id(t): t for t in (*self.model.parameters(), *self.model.buffers())}
+        cache = self.forward.cache.nbytes() if self.forward is not None else 0
+        return sum(t.numel() * t.element_size() for t in seen.values()) + cache
+
+
+def grow_beam(forward: TreeForward, logits: torch.Tensor | None, context: torch.Tensor,
+              shape: TreeShape) -> Tree:
+    """The beam tree of `shape` rooted at `context[-1]` (at position len(context) - 1): `logits` (1,
+    vocab) are the draft's at the root (None for depth 0); each level runs one forward of `width` tokens
+    through `forward`, written at the level's tree slots."""
+    length = forward.cache.length
+    start = context.numel() - 1
+    tokens = torch.zeros(shape.tokens, dtype=torch.long)
+    parents = torch.full((shape.tokens,), -1, dtype=torch.long)
+    valid = torch.zeros(shape.tokens, dtype=torch.bool)
+    tokens[0], valid[0] = context[-1], True
+    scores = torch.zeros(1, dtype=torch.float64)  # cumulative log-probability of each fed node
+    fed = slice(0, 1)
+    for depth in range(1, shape.depth + 1):
+        level = shape.level(depth)
+        logp = torch.log_softmax(logits.double(), dim=-1).cpu() + scores[:, None]
+        logp[~valid[fed]] = float("-inf")
+        best, flat = torch.topk(logp.flatten(), shape.width)
+        vocab = logp.shape[-1]
+        tokens[level] = flat % vocab
+        parents[level] = flat // vocab + fed.start
+        valid[level] = best > float("-inf")
+        parents[level][~valid[level]] = -1
+        if depth == shape.depth:
+            break
+        tree = Tree(shape, tokens, parents, valid)
+        positions = torch.full((shape.width,), start + depth, dtype=torch.long)
+        write_at = torch.arange(level.start, level.stop) + start
+        logits = forward.run(tokens[level], positions, write_at, tree_mask(tree, start, length)[level])
+        scores, fed = best, level
+    return Tree(shape, tokens, parents, valid)

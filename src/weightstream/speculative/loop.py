@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..errors import ArgumentError
-from ..sizes import parse_size
+from ..sizes import format_size, parse_size
 from .acceptance import target_probs, walk_greedy, walk_sampled
 from .cache import TreeCache
 from .checks import (
@@ -31,6 +31,7 @@ from .checks import (
 )
 from .draft import resolve_draft
 from .draft_model import DraftModel
+from .self_draft import SelfDraft
 from .tree import TreeShape, path_moves, tree_mask, tree_positions
 from .verify import TreeForward
 
@@ -50,6 +51,7 @@ class GenerationStats:
     width: int
     depth: int
     draft: str
+    draft_bytes: int = 0  # bytes the draft holds on the device: low-bit copies, a draft model and its cache
 
     @property
     def tree_tokens(self) -> int:
@@ -76,7 +78,8 @@ class GenerationStats:
                 f"{self.passes} verify passes of {self.tree_tokens} tokens (draft {self.draft}, width "
                 f"{self.width}, depth {self.depth}), {self.accepted_per_pass:.2f} drafted tokens accepted "
                 f"per pass; prefill {self.prefill_ms:.0f} ms, draft {self.draft_ms:.0f} ms, verify "
-                f"{self.verify_ms:.0f} ms")
+                f"{self.verify_ms:.0f} ms" + (f"; draft weights {format_size(self.draft_bytes)} on the device"
+                                              if self.draft_bytes else ""))
 
 
 @dataclass(frozen=True)
@@ -129,8 +132,10 @@ def generate(
     """Generate up to `max_new_tokens` tokens after `input_ids` (1, prompt) or (prompt,) with speculative
     decoding; `model` is a causal LM, offloaded with `ws.offload` or resident.
 
-    draft: "prompt-lookup" (n-grams of the context, no weights), a small causal LM with the model's
-    tokenizer (an nn.Module, on the model's device), None (one token per pass) or a `Draft`.
+    draft: "prompt-lookup" (n-grams of the context, no weights), "self" (the model's resident modules
+    plus int4 copies, groups of 128, of the blocks it keeps off the GPU; `SelfDraft(bits, group)` for
+    others, and to keep the copies for later calls), a small causal LM with the model's tokenizer (an
+    nn.Module, on the model's device), None (one token per pass) or a `Draft`.
     width, depth: the tree of every verify pass, `1 + width * depth` tokens (width 1: a chain).
     do_sample: rejection sampling from the model's distribution under temperature / top_k / top_p (as
     transformers' generate), drawn from `generator` (a CPU torch.Generator; seeded runs repeat); else
@@ -138,11 +143,13 @@ def generate(
     tokens as a one-token forward does. eos_token_id: stop after it (default: the model's
     generation_config). compile: torch.compile(fullgraph=True) of the verify and draft forwards, or a
     compile mode ("reduce-overhead": CUDA graphs); the prefill runs eagerly. cache_memory: bytes (or
-    "2GiB") the KV caches and a verify pass may take (default: the GPU's free memory; no limit on the
-    CPU). output_logits: keep the logits each token was chosen from. progress: a tqdm bar with tokens/s.
+    "2GiB") the KV caches, a verify pass and a self-draft's low-bit copies may take (default: the GPU's
+    free memory; no limit on the CPU). output_logits: keep the logits each token was chosen from.
+    progress: a tqdm bar with tokens/s.
 
     Raises ArgumentError for a model that is not a causal LM, a draft of another vocabulary, a tree or
-    length the model cannot take; BudgetError where the caches do not fit (with the bytes they need).
+    length the model cannot take; BudgetError where the caches (and a self-draft's copies) do not fit
+    (with the bytes they need).
     """
     vocab = check_causal_lm(model)
     ids = input_ids.reshape(1, -1) if input_ids.dim() == 1 else input_ids
@@ -168,10 +175,13 @@ def generate(
     length = max(length, prompt.numel() + max_new_tokens - 1 + shape.tokens)  # the last tree's slots
     device = _device(model)
     need = generation_bytes(model, draft_model, length, shape.tokens, vocab)
+    self_draft = drafter if isinstance(drafter, SelfDraft) else None
+    building = self_draft.needed_bytes(model) if self_draft is not None else 0  # 0 once built
+    name = self_draft.name if self_draft is not None else ""
     if cache_memory is not None:
-        check_memory(need, parse_size(cache_memory), "cache_memory")
+        check_memory(need, parse_size(cache_memory), "cache_memory", building, name)
     elif device.type == "cuda":
-        check_memory(need, torch.cuda.mem_get_info(device)[0], f"{device} (free)")
+        check_memory(need, torch.cuda.mem_get_info(device)[0], f"{device} (free)", building, name)
     if draft_model is not None and _device(draft_model) != device:
         raise ArgumentError(f"the draft model is on {_device(draft_model)} and the model on {device}: move "
                             f"the draft to {device} (it stays resident)")
@@ -179,6 +189,8 @@ def generate(
     eos = _eos_ids(model, eos_token_id)
     cache = TreeCache(model.config.num_hidden_layers, length)
     forward = TreeForward(model, cache, device, model.dtype, compile)
+    if self_draft is not None:
+        self_draft.bind(model, cache, compile)  # builds it once; it drafts into the model's own cache
     kept: list[torch.Tensor] = []
 
     def choose(logits: torch.Tensor) -> int:
@@ -237,5 +249,6 @@ def generate(
     stats = GenerationStats(
         new_tokens=len(emitted), passes=len(accepted), accepted=tuple(accepted), prefill_ms=prefill_ms,
         draft_ms=draft_ms, verify_ms=verify_ms, total_ms=(time.perf_counter() - began) * 1e3,
-        width=shape.width, depth=shape.depth, draft=drafter.name)
+        width=shape.width, depth=shape.depth, draft=drafter.name,
+        draft_bytes=drafter.device_bytes() if hasattr(drafter, "device_bytes") else 0)
     return Generation(context[None], stats, torch.cat(kept) if output_logits else None)
