@@ -72,8 +72,7 @@ def test_a_generation_past_the_models_positions_is_refused(model):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(draft="medusa"), "draft='medusa': give 'prompt-lookup'"),
-    (dict(draft="self"), "not available yet"),
+    (dict(draft="medusa"), "draft='medusa': give 'prompt-lookup', 'self'"),
     (dict(draft=3), "draft of type int"),
     (dict(width=0), "tree width=0"),
     (dict(depth=-1), "tree depth=-1"),
