@@ -1,5 +1,5 @@
-"""`weightstream bench --kind speculative` on the CPU: verify-pass rows per tree size, and with a
-checkpoint the plain and speculative generation rows (speculative tokens equal to plain)."""
+"""`weightstream bench --kind speculative` on the CPU: verify-pass rows per tree size, self-draft step rows,
+and with a checkpoint the plain and speculative generation rows (speculative tokens equal to plain)."""
 
 from __future__ import annotations
 
@@ -22,19 +22,25 @@ def test_verify_rows_are_timed_for_each_tree_size(tmp_path):
     doc = run(tmp_path, "--shape", "tiny", "--trees", "1,4,16")
     rows = doc["results"]
     assert doc["kind"] == "speculative"
-    assert [r["phase"] for r in rows] == ["verify-1", "verify-4", "verify-16"]
-    assert all(r["method"] == "ws-verify" and r["median_ms"] > 0 and r["error"] is None for r in rows)
-    assert [r["tokens"] for r in rows] == [1, 4, 16]
+    assert [r["phase"] for r in rows] == ["verify-1", "verify-4", "verify-16", "draft-step-1", "draft-step-4"]
+    assert [r["method"] for r in rows] == ["ws-verify"] * 3 + ["ws-self-draft"] * 2
+    assert all(r["median_ms"] > 0 and r["error"] is None for r in rows)
+    assert [r["tokens"] for r in rows] == [1, 4, 16, 1, 4]
+    assert rows[-1]["link_bytes"] == 0 and rows[-1]["setup"]["draft"] == "self int4 g128"
 
 
 def test_a_checkpoint_adds_plain_and_speculative_generation_rows_with_the_plain_tokens(tmp_path, checkpoint):
     folder, _ = checkpoint
     doc = run(tmp_path, "--checkpoint", str(folder), "--trees", "2", "--new-tokens", "6", "--prompts", "2",
-              "--tree", "2x2", "--budgets", "0.5")
+              "--tree", "2x2", "--budgets", "0.75")  # less: the embeddings and int8 copies overflow
     rows = {r["method"]: r for r in doc["results"]}
-    assert set(rows) == {"ws-verify", "ws-plain", "ws-speculative-prompt-lookup", "ws-speculative-int4-g64"}
+    drafts = ("ws-speculative-prompt-lookup", *(f"ws-speculative-self-int{b}-g128" for b in (4, 8)))
+    assert set(rows) == {"ws-verify", "ws-self-draft", "ws-plain", *drafts}
     assert rows["ws-plain"]["exact"] is None and rows["ws-plain"]["phase"] == "generate-6"
-    for method in ("ws-speculative-prompt-lookup", "ws-speculative-int4-g64"):
+    for bits in (4, 8):  # the draft's copies are in the budget: the weights got less of it
+        setup = rows[f"ws-speculative-self-int{bits}-g128"]["setup"]
+        assert 0 < setup["draft_bytes"] and setup["weights_gpu_memory"] < rows["ws-plain"]["budget_bytes"]
+    for method in drafts:
         assert rows[method]["exact"] is True and rows[method]["setup"]["tree"] == "2x2"
         setup = rows[method]["setup"]
         assert setup["identical_share"] == 1.0 and setup["first_difference"] == [None, None]

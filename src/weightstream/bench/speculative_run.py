@@ -11,18 +11,24 @@ against plain decoding of an offloaded causal LM.
    pass) and `ws-speculative-<draft>` rows (phase `generate-N`, N = `--new-tokens`), greedy, over
    `--prompts` passages of Python's shipped language reference, each row's median_ms the median ms per
    generated token over the prompts (tokens = 1, so tokens_per_s is tokens/s). Drafts: prompt lookup,
-   and a copy of the model with every decoder linear weight rounded to int4, symmetric, groups of 64
-   (off a 4-bit GGUF's own grid), resident. `exact`: every prompt's tokens equal the plain run's; the
-   setup holds the mean drafted tokens accepted per pass, the share of prompts whose tokens are
-   identical and, per prompt, the first new token that differs (None: none; in low precision a
-   near-tie can flip where the verify forward's GEMM shapes differ from a one-token forward's).
+   and the model's self-draft (`SelfDraft`) with int4 and with int8 copies, symmetric, groups of 128
+   (off a 4-bit GGUF's own grid), of the blocks it keeps off the GPU; for a self-draft the model is
+   offloaded so that its weights on the GPU and the draft's copies together take the budget
+   (`offload_with_draft`). `exact`: every prompt's tokens equal the plain run's; the setup holds the
+   scheme, the draft's bytes, the mean drafted tokens accepted per pass, the share of prompts whose
+   tokens are identical and, per prompt, the first new token that differs (None: none; in low
+   precision a near-tie can flip where the verify forward's GEMM shapes differ from a one-token
+   forward's).
+3. `ws-self-draft` rows (phase `draft-step-W`, W = 1 and the tree's width): one step of the int4 g128
+   self-draft of the model offloaded at each budget (its copies beside the budget here: a step's cost
+   does not depend on where the budget line is drawn), the forward the draft runs per tree level; it
+   moves no byte over the link (link_bytes 0).
 """
 
 from __future__ import annotations
 
 import copy
 import importlib.util
-import math
 import os
 import statistics
 import time
@@ -33,9 +39,9 @@ import torch
 from torch import nn
 
 from ..offload import handle_of, offload
-from ..speculative import generate
+from ..speculative import SelfDraft, generate
 from ..speculative.cache import TreeCache
-from ..speculative.tree import TreeShape, tree_from_chains, tree_mask, tree_positions
+from ..speculative.tree import TreeShape, causal_mask, tree_from_chains, tree_mask, tree_positions
 from ..speculative.verify import TreeForward
 from .measure import fill_row, h2d_bandwidth, measure
 from .memory import module_bytes, release_memory
@@ -48,7 +54,7 @@ from .shapes import build_device, build_model, get_shape, shape_weight_bytes
 SMOLLM2 = "smollm2-135m-instruct"
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 COMPILE = {"eager": False, "compiled": True, "graph": "reduce-overhead"}
-INT4_GROUP = 64
+SELF_GROUP = 128
 
 
 def smollm2_folder(cache_dir: str | os.PathLike | None = None) -> Path:
@@ -96,19 +102,23 @@ def passages(count: int, words: int = 60) -> list[str]:
     return found[:count]
 
 
-def int4_draft(model: nn.Module, group: int = INT4_GROUP) -> nn.Module:
-    """A copy of `model` whose decoder linear weights are rounded to 4-bit symmetric integers in groups
-    of `group` input columns (scale = max |w| / 7 per group; a width `group` does not divide takes
-    groups of their greatest common divisor) and stored dequantized; embeddings and head as they are."""
-    draft = copy.deepcopy(model)
-    with torch.no_grad():
-        for name, module in draft.named_modules():
-            if isinstance(module, nn.Linear) and ".layers." in f".{name}":
-                w = module.weight
-                grouped = w.reshape(w.shape[0], -1, math.gcd(w.shape[1], group))
-                scale = grouped.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / 7
-                w.copy_(((grouped / scale).round().clamp(-8, 7) * scale).reshape(w.shape))
-    return draft
+def offload_with_draft(model: nn.Module, budget: int, draft: SelfDraft | None, device, **options) -> int:
+    """Offload `model` so that its weights on the device (resident and staging) and the low-bit copies
+    `draft` would build take at most `budget` bytes together (the copies grow as blocks leave the GPU,
+    so the weights' share is lowered until both fit); return the gpu_memory the weights got (bytes).
+    ValueError where even every block off the GPU leaves no room for the draft."""
+    weights, held = budget, None
+    while True:
+        stats = offload(model, gpu_memory=weights, device=device, **options).stats
+        on_device = stats.resident_bytes + stats.staging_bytes
+        over = on_device + (draft.needed_bytes(model) if draft is not None else 0) - budget
+        if over <= 0:
+            return weights
+        handle_of(model).restore()
+        if on_device == held:  # lowering the weights' share frees nothing more
+            raise ValueError(f"the {draft.name} draft does not fit beside the model's weights in {budget} "
+                             f"bytes ({over} bytes over with every block it can take off the GPU)")
+        weights, held = weights - over, on_device
 
 
 def verify_rows(model: nn.Module, budget: int, trees: list[int], modes: list[str], context: int, reps: int,
@@ -151,20 +161,30 @@ def verify_rows(model: nn.Module, budget: int, trees: list[int], modes: list[str
 def generation_rows(model: nn.Module, tokenizer, budget: int, new_tokens: int, count: int, width: int,
                     depth: int, device: torch.device) -> list[ResultRow]:
     """`ws-plain` and `ws-speculative-<draft>` rows over `count` prompts (module docstring); `model` is
-    resident on `device` (it is offloaded here, the drafts stay resident)."""
+    resident on `device` (it is offloaded here for each row, and restored after it)."""
     prompts = [tokenizer.apply_chat_template(
         [{"role": "user", "content": f"Explain in simple words what this passage says:\n\n{text}"}],
         add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"].to(device)
         for text in passages(count)]
-    int4 = f"int4 symmetric, groups of {INT4_GROUP}, decoder linears, resident"
-    drafts = {"ws-speculative-prompt-lookup": ("prompt-lookup", "n-grams of the context"),
-              f"ws-speculative-int4-g{INT4_GROUP}": (int4_draft(model), int4)}
-    offload(model, gpu_memory=budget, device=device)
-    stats = handle_of(model).stats
+    runs = [("ws-plain", None, "none"),
+            ("ws-speculative-prompt-lookup", "prompt-lookup", "n-grams of the context")]
+    for bits in (4, 8):  # each built when its row runs, and dropped after it
+        runs.append((f"ws-speculative-self-int{bits}-g{SELF_GROUP}", bits,
+                     f"self: int{bits} symmetric, groups of {SELF_GROUP}, weights of 2+ dimensions of the "
+                     "blocks off the GPU, in the budget"))
     plain: list[torch.Tensor] = []
     rows = []
-    for method, (draft, scheme) in [("ws-plain", (None, "none")), *drafts.items()]:
-        generate(model, prompts[0], 4, draft=draft, width=width, depth=depth)  # warm-up
+    for method, kind, scheme in runs:
+        draft = SelfDraft(bits=kind, group=SELF_GROUP) if isinstance(kind, int) else kind
+        try:
+            own = draft if isinstance(draft, SelfDraft) else None
+            weights = offload_with_draft(model, budget, own, device)
+        except ValueError as err:  # recorded, the run goes on
+            rows.append(ResultRow(method, f"generate-{new_tokens}", budget, "eager", error=first_line(err),
+                                  reference="ws-plain (greedy, one token per pass)", setup={"draft": scheme}))
+            log(f"{method}: {rows[-1].error}")
+            continue
+        generate(model, prompts[0], 4, draft=draft, width=width, depth=depth)  # warm-up (builds a self-draft)
         per_token, accepted, same, first = [], [], [], []
         for i, ids in enumerate(prompts):
             start = time.perf_counter()
@@ -177,18 +197,58 @@ def generation_rows(model: nn.Module, tokenizer, budget: int, new_tokens: int, c
                 same.append(torch.equal(out.tokens, plain[i]))
                 differs = (out.tokens[0] != plain[i][0]).nonzero()
                 first.append(int(differs[0]) - ids.shape[1] if len(differs) else None)
+        stats = handle_of(model).stats
         row = ResultRow(method, f"generate-{new_tokens}", budget, "eager", tokens=1, reps=len(prompts),
                         median_ms=statistics.median(per_token), min_ms=min(per_token), max_ms=max(per_token),
                         tokens_per_s=1e3 / statistics.median(per_token), link_bytes=link_bytes(stats),
                         exact=None if draft is None else all(same),
                         reference="ws-plain (greedy, one token per pass)",
                         setup={"draft": scheme, "tree": f"{width}x{depth}", "prompts": len(prompts),
+                               "weights_gpu_memory": weights, "draft_bytes": out.stats.draft_bytes,
                                "accepted_per_pass": statistics.mean(accepted), "stats": asdict(stats),
                                "identical_share": sum(same) / len(same) if same else None,
                                "first_difference": first})
         log(f"{method}: {row.tokens_per_s:.2f} tokens/s, {row.setup['accepted_per_pass']:.2f} drafted tokens "
             f"accepted per pass, exact {row.exact}")
         rows.append(row)
+        draft = out = None  # a self-draft's copies leave the device before the next row
+        handle_of(model).restore()
+        release_memory(device)
+    return rows
+
+
+def draft_step_rows(model: nn.Module, budget: int, width: int, modes: list[str], context: int, reps: int,
+                    device: torch.device) -> list[ResultRow]:
+    """`ws-self-draft` rows (module docstring): one step of the int4 self-draft over 1 and `width` tokens
+    after `context` tokens; `model` is offloaded already."""
+    draft = SelfDraft(bits=4, group=SELF_GROUP)
+    vocab = model.get_output_embeddings().weight.shape[0]
+    length = context + width + 1
+    ids = torch.randint(0, vocab, (context,), generator=torch.Generator().manual_seed(0))
+    rows = []
+    for mode in modes:
+        torch._dynamo.reset()
+        cache = TreeCache(model.config.num_hidden_layers, length)
+        TreeForward(model, cache, device, model.dtype).prefill(ids)  # the model's prefix, as generate has it
+        draft.bind(model, cache, COMPILE[mode])
+        for size in sorted({1, width}):
+            positions = torch.full((size,), context, dtype=torch.long)
+            mask = causal_mask(context, size, length)
+            args = (ids[:size], positions, torch.arange(size) + context, mask)
+            row = ResultRow("ws-self-draft", f"draft-step-{size}", budget, mode, tokens=size, link_bytes=0,
+                            reference="none: timing only (tests/speculative check exactness)",
+                            setup={"draft": draft.name, "draft_bytes": draft.device_bytes(),
+                                   "context_tokens": context})
+            try:
+                entry, _ = measure(lambda args=args: draft.forward.run(*args), reps, device)
+                fill_row(row, entry, None)
+                log(f"ws-self-draft {size} tokens {mode}: {row.median_ms:.1f} ms")
+            except Exception as err:  # a row that failed is recorded, the run goes on
+                row.error = first_line(err)
+                log(f"ws-self-draft {size} tokens {mode}: {row.error}")
+            rows.append(row)
+        del cache
+    release_memory(device)
     return rows
 
 
@@ -220,6 +280,9 @@ def run_speculative(shape: str, budgets: list, trees: list[int], modes: list[str
         resident = copy.deepcopy(model) if tokenizer is not None else None
         offload(model, gpu_memory=budget, device=device)
         for row in verify_rows(model, budget, trees, modes, context, reps, device, bandwidth):
+            doc["results"].append(asdict(row))
+            write_json(doc, out_path)
+        for row in draft_step_rows(model, budget, tree[0], modes, context, reps, device):
             doc["results"].append(asdict(row))
             write_json(doc, out_path)
         handle_of(model).restore()
