@@ -8,7 +8,7 @@ from conftest import make_model, weight_bytes
 from transformers import AutoModelForCausalLM
 
 import weightstream as ws
-from weightstream.formats import hf
+from weightstream.formats import convert
 
 pytestmark = pytest.mark.gpu
 
@@ -55,8 +55,8 @@ def test_a_failure_mid_load_leaves_nothing_allocated(folder, monkeypatch):
             raise OSError("disk gone")
         return original(stored, dst)
 
-    original = hf.read_into
-    monkeypatch.setattr(hf, "read_into", failing_read)
+    original = convert.read_into  # every tensor of a load is read there (formats/convert.py)
+    monkeypatch.setattr(convert, "read_into", failing_read)
     with pytest.raises(OSError, match="disk gone"):
         ws.from_pretrained(folder, gpu_memory="300KB", progress=False, profile=ws.REFERENCE_PROFILE)
     gc.collect()

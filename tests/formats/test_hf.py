@@ -305,3 +305,31 @@ def test_plan_predicts_the_placement_the_load_gets(tmp_path, dtype, cpu_fraction
     assert report["placement_kind"] == handle.stats.placement_kind
     assert report["disk"]["bytes"] == handle.stats.disk_bytes
     assert (cpu_memory is None) == (not report["disk"]["bytes"])
+
+
+def test_a_read_failing_mid_load_raises_it_and_leaves_no_engine_behind(tmp_path, monkeypatch):
+    """The read that fails (a disk gone mid-load) is what the caller sees; nothing stays registered,
+    and the process-wide hooks are off again (the GPU twin checks that no memory stays allocated)."""
+    import gc
+
+    from weightstream.engine import engine, ops
+    from weightstream.formats import convert
+
+    folder = save(make_model("llama"), tmp_path)
+    calls = []
+    original = convert.read_into  # every tensor of a load is read there
+
+    def failing_read(stored, dst):
+        calls.append(1)
+        if len(calls) == 5:
+            raise OSError("disk gone")
+        return original(stored, dst)
+
+    monkeypatch.setattr(convert, "read_into", failing_read)
+    engines = len(ops.engines())
+    with pytest.raises(OSError, match="disk gone"):
+        ws.from_pretrained(folder, gpu_memory=300_000, device="cpu", strategy="stream", progress=False)
+    gc.collect()
+    assert len(calls) == 5 and len(ops.engines()) == engines
+    if not engines:
+        assert not engine.process_hooks_installed()
