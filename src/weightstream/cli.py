@@ -44,10 +44,12 @@ def main(argv: list[str] | None = None) -> int:
     text.add_argument("--compile", action="store_true",
                       help="static KV cache and torch.compile(fullgraph=True)")
     text.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
-    text.add_argument("--speculate", default=None, metavar="{prompt-lookup,DRAFT_FOLDER}",
-                      help="speculative decoding: drafts from n-grams of the context (prompt-lookup) or from "
-                           "a small checkpoint with the same tokenizer (its folder, loaded resident); the "
-                           "model verifies a tree of drafted tokens per forward")
+    text.add_argument("--speculate", default=None, metavar="{prompt-lookup,self,DRAFT_FOLDER}",
+                      help="speculative decoding: drafts from n-grams of the context (prompt-lookup), from "
+                           "the model itself with int4 copies of its offloaded blocks (self: they take GPU "
+                           "memory beside --gpu-memory) or from a small checkpoint with the same tokenizer "
+                           "(its folder, loaded resident); the model verifies a tree of drafted tokens per "
+                           "forward")
     text.add_argument("--tree", default=None, metavar="WIDTHxDEPTH",
                       help="the drafted tree of each verify forward with --speculate (default 4x6: "
                            "1 + 4*6 tokens; 1xN is a chain)")
@@ -159,7 +161,7 @@ def _tree_option(args: argparse.Namespace) -> str:
 
     if args.tree is not None and args.speculate is None:
         raise ArgumentError(f"--tree {args.tree} not used here: a tree is drafted with --speculate only; add "
-                            "--speculate prompt-lookup (or a draft folder), or drop --tree")
+                            "--speculate prompt-lookup (or self, or a draft folder), or drop --tree")
     return args.tree or "4x6"
 
 

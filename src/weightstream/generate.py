@@ -23,6 +23,7 @@ from .pipeline import DENOISERS
 from .sizes import format_size
 from .speculative import GenerationStats
 from .speculative import generate as speculative_generate
+from .speculative.draft import DRAFT_NAMES
 from .speculative.tree import parse_tree
 
 
@@ -126,13 +127,14 @@ def generate_text(
     """Load `path` offloaded under `gpu_memory`, generate greedily from `prompt`, print the text as it
     comes (when `echo`), and return the summary. compile: static KV cache and
     `torch.compile(fullgraph=True)` of the forward. chat: wrap the prompt in the tokenizer's chat
-    template. speculate: "prompt-lookup" or the folder of a draft checkpoint with the same tokenizer
-    (loaded resident): speculative decoding with trees of `tree` ("WIDTHxDEPTH") tokens, a progress bar
-    on stderr and the text printed at the end. cpu_memory: host memory for the offloaded weights, bytes
-    or "16GiB", as for `from_pretrained` (None: no limit; groups beyond it are read from the checkpoint
-    files every forward). Raises ArgumentError for an empty prompt or fewer than one new token,
-    CheckpointError for a checkpoint of a model that does not generate text (an encoder such as
-    BertModel)."""
+    template. speculate: "prompt-lookup", "self" (the model's resident modules plus int4 copies, groups
+    of 128, of the blocks it keeps off the GPU, beside `gpu_memory`) or the folder of a draft checkpoint
+    with the same tokenizer (loaded resident): speculative decoding with trees of `tree` ("WIDTHxDEPTH")
+    tokens, a progress bar on stderr and the text printed at the end. cpu_memory: host memory for the
+    offloaded weights, bytes or "16GiB", as for `from_pretrained` (None: no limit; groups beyond it are
+    read from the checkpoint files every forward). Raises ArgumentError for an empty prompt or fewer
+    than one new token, CheckpointError for a checkpoint of a model that does not generate text (an
+    encoder such as BertModel)."""
     if not prompt:
         raise ArgumentError("--prompt is empty: give the text to continue, e.g. --prompt 'Hello'")
     if max_new_tokens < 1:
@@ -140,7 +142,7 @@ def generate_text(
     if dtype is not None:
         parse_dtype(dtype)  # before anything is loaded
     width, depth = parse_tree(tree).dims
-    if speculate is not None and speculate != "prompt-lookup":
+    if speculate is not None and speculate not in DRAFT_NAMES:
         draft_folder = checkpoint_folder(speculate)  # a missing draft is found before the model loads
         _check_generates(model_class(read_config(draft_folder), draft_folder), draft_folder)
     folder = checkpoint_folder(path)
@@ -186,7 +188,7 @@ def _speculate(model, tokenizer, ids: torch.Tensor, speculate: str, width: int, 
     """`generate_text` by speculative decoding with the draft `speculate` names; the text printed at the
     end."""
     handle = handle_of(model)
-    draft = (speculate if speculate == "prompt-lookup"
+    draft = (speculate if speculate in DRAFT_NAMES
              else _load_draft(speculate, model.dtype, handle.device))
     start = time.perf_counter()
     out = speculative_generate(model, ids, max_new_tokens, draft=draft, width=width, depth=depth,

@@ -43,6 +43,14 @@ def test_a_draft_folder_is_loaded_resident_and_gives_the_same_text(checkpoint, t
     assert greedy_text(folder, tokenizer, 10).strip() in out and "speculative (model, tree 4x6)" in out
 
 
+def test_the_self_draft_gives_the_same_text(checkpoint, capsys):
+    folder, tokenizer = checkpoint
+    assert run(folder, "--speculate", "self", "--tree", "2x3") == 0
+    out = capsys.readouterr().out
+    assert greedy_text(folder, tokenizer, 10).strip() in out
+    assert "speculative (self int4 g128, tree 2x3)" in out
+
+
 def test_speculation_mistakes_end_in_one_line_and_exit_2(checkpoint, tmp_path, capsys):
     folder, _ = checkpoint
     cases = [
