@@ -79,3 +79,64 @@ def test_a_cuda_generator_is_refused_with_the_way_out():
     model = make_model("llama").cuda()
     with pytest.raises(ws.ArgumentError, match="give torch.Generator\\(\\) \\(on the CPU\\)"):
         ws.generate(model, prompt(), 2, do_sample=True, generator=torch.Generator(device="cuda"))
+
+
+def off_gpu_blocks(model) -> list[str]:
+    handle = ws.handle_of(model)
+    return [*handle.streamed_blocks, *handle.uva_blocks]
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_self_draft_offloaded_equals_resident_and_its_bytes_are_on_the_gpu(bits, do_sample):
+    ref = make_model("llama", dtype=torch.bfloat16).cuda()
+    model = offloaded(copy.deepcopy(ref))
+    blocks = off_gpu_blocks(model)
+    a = run(ref, draft=ws.SelfDraft(bits=bits, blocks=blocks), do_sample=do_sample)
+    draft = ws.SelfDraft(bits=bits)
+    need = draft.needed_bytes(model)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    draft.build(model)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() - before >= need == draft.device_bytes() > 0
+    assert all(t.is_cuda for t in (*draft.model.parameters(), *draft.model.buffers()))
+    handle = ws.handle_of(model)
+    copies = []
+    propose = draft.propose
+
+    def counted(context, shape):
+        before = handle.stats.copies
+        tree = propose(context, shape)
+        copies.append(handle.stats.copies - before)
+        return tree
+
+    draft.propose = counted
+    b = run(model, draft=draft, do_sample=do_sample)
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.logits, b.logits)
+    assert a.stats.accepted == b.stats.accepted and b.stats.draft_bytes == need
+    assert copies and not any(copies)  # nothing of the draft streams
+    assert handle.stats.misses == 0
+
+
+def test_self_draft_greedy_equals_plain_greedy_in_fp32_on_the_gpu():
+    model = make_model("llama").cuda()
+    ids = prompt(3)
+    want = model.generate(ids, max_new_tokens=20, min_new_tokens=20, do_sample=False, eos_token_id=None,
+                          pad_token_id=0, attention_mask=torch.ones_like(ids))
+    for bits in (4, 8):
+        out = ws.generate(offloaded(copy.deepcopy(model)), ids, 20, draft=ws.SelfDraft(bits=bits), width=2,
+                          depth=5, eos_token_id=[])
+        assert torch.equal(out.tokens.cuda(), want) and sum(out.stats.accepted) > 0
+
+
+@pytest.mark.parametrize("mode", [True, "reduce-overhead"])
+def test_compiled_self_draft_offloaded_equals_its_reference(mode, eager_rounding):  # noqa: F811
+    ref = make_model("llama", dtype=torch.bfloat16).cuda()
+    model = offloaded(copy.deepcopy(ref))
+    reference = with_boundaries(copy.deepcopy(ref))
+    torch._dynamo.utils.counters.clear()
+    a = run(reference, draft=ws.SelfDraft(blocks=off_gpu_blocks(model)), compile=mode)
+    b = run(model, draft="self", compile=mode)
+    assert not torch._dynamo.utils.counters["graph_break"]
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.logits, b.logits)
