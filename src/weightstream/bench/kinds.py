@@ -8,8 +8,9 @@ stored results that run nothing (`--bound`, `--waits`, `--predict`).
 - `load` (`load.py`): a checkpoint saved, loaded into place by `from_pretrained`, then run from host
   memory and from disk;
 - `codec` (`codec.py`): the wire codec alone, its ratio and decoder throughput on one group per dtype;
-- `speculative` (`speculative_run.py`): verify-pass ms against tree size on an offloaded model, and
-  with `--checkpoint` speculative against plain decoding tokens/s.
+- `speculative` (`speculative_run.py`): verify-pass ms against tree size on an offloaded model, the
+  self-draft's step ms, and with `--checkpoint` speculative (prompt lookup, self int4 and int8) against
+  plain decoding tokens/s.
 
 Every kind writes the one result schema (`schema.py`); the document's `kind` says which made it. An
 option that does not apply to the kind asked for is refused (exit 2, one line), as is a shape of
@@ -39,7 +40,8 @@ KINDS = {
     "pipeline": "whole generations of a diffusers pipeline (--shape flux-dev-pipeline or tiny-flux-pipeline)",
     "load": "save a checkpoint, load it into place with from_pretrained, run from host memory and from disk",
     "codec": "the wire codec alone: ratio and decoded GB/s of one group per dtype (torch and GPU decoders)",
-    "speculative": "verify-pass ms against tree tokens; with --checkpoint, speculative vs plain tokens/s",
+    "speculative": "verify-pass and self-draft step ms against tree tokens; with --checkpoint, speculative "
+                   "vs plain tokens/s",
 }
 
 # what --shape, --budgets, --phases, --methods, --modes and --reps are when not given, per kind
