@@ -35,7 +35,8 @@ def available_host_bytes() -> int | None:
 
 def locked_memory_limit() -> int | None:
     """The process's locked-memory limit in bytes (`ulimit -l`, RLIMIT_MEMLOCK), or None where it is
-    unlimited or cannot be read."""
+    unlimited or cannot be read. Reported, not enforced beforehand: NVIDIA's driver page-locks past it
+    (measured: 1 GiB registered under a 64 KiB limit, as root and as a user without capabilities)."""
     try:
         soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     except (OSError, ValueError):
@@ -105,10 +106,11 @@ class HostArena:
             if int(err) != 0:
                 raise PinnedMemoryError(
                     f"could not page-lock {format_size(self.nbytes)} of host memory (CUDA error {int(err)}; "
-                    f"{pin_failure_context(self._raw.numel())}). A container's memlock limit or WSL often "
-                    "causes this: raise the limit (ulimit -l, docker run --ulimit memlock=-1), "
-                    "or pass pin_memory=False to stream from pageable memory, which works but copies "
-                    "about 9x slower and cannot be captured in CUDA graphs."
+                    f"{pin_failure_context(self._raw.numel())}). WSL caps page-locked memory below the "
+                    "machine's RAM, and pinning needs free RAM: give more of the model to the GPU, load it "
+                    "with from_pretrained(..., cpu_memory=...) to leave groups in their files, or pass "
+                    "pin_memory=False to stream from pageable memory, which works but copies about 9x "
+                    "slower and cannot be captured in CUDA graphs."
                 )
             self.pinned_bytes = self._raw.numel()
         # Unpin when closed, or when the arena is dropped without close(); the finalizer holds the
