@@ -326,6 +326,7 @@ def test_a_read_failing_mid_load_raises_it_and_leaves_no_engine_behind(tmp_path,
         return original(stored, dst)
 
     monkeypatch.setattr(convert, "read_into", failing_read)
+    gc.collect()  # earlier tests' dropped models, whose engines would otherwise go mid-test
     engines = len(ops.engines())
     with pytest.raises(OSError, match="disk gone"):
         ws.from_pretrained(folder, gpu_memory=300_000, device="cpu", strategy="stream", progress=False)
