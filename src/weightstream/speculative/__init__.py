@@ -13,6 +13,8 @@ about the same for one token as for a tree of many, so each accepted token saves
     draft_model.py    DraftModel: a small causal LM with the same tokenizer, drafting a beam tree
     quantize.py       symmetric int8 / int4 weight-only quantization in groups (pure torch)
     self_draft.py     SelfDraft: the model's own resident modules plus low-bit copies of its off-GPU blocks
+    shape_choice.py   the tree shape of the highest predicted tokens/ms under a stated acceptance model
+    shape_costs.py    verify and draft-step ms from the placement's cost model; width="auto"
     checks.py         what generate refuses, with the change that fixes it
     loop.py           generate(), Generation, GenerationStats
 """

@@ -58,6 +58,22 @@ def check_length(config, prompt: int, max_new_tokens: int, depth: int) -> int:
     return positions
 
 
+def max_depth(config, prompt: int, max_new_tokens: int) -> int | None:
+    """The deepest tree (levels) whose positions stay within the model's `max_position_embeddings`
+    after a prompt of `prompt` tokens and `max_new_tokens` new ones; None where the model names no
+    limit."""
+    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    return None if limit is None else limit - prompt - max_new_tokens
+
+
+def check_tree_argument(name: str, value) -> None:
+    """ArgumentError for a `width` or `depth` given as a string other than "auto" (integers are checked
+    by `TreeShape`)."""
+    if isinstance(value, str) and value != "auto":
+        raise ArgumentError(f"{name}={value!r}: give an integer, or 'auto' for the shape the cost model "
+                            "predicts fastest")
+
+
 def check_memory(need: int, available: int | None, where: str, draft_bytes: int = 0, draft: str = "") -> None:
     """BudgetError where the generation's KV caches and tree activations (`need`, bytes) plus the
     low-bit copies a self-draft is about to build (`draft_bytes`, bytes; `draft` names its scheme)

@@ -27,11 +27,14 @@ from .checks import (
     check_draft_vocabulary,
     check_length,
     check_memory,
+    check_tree_argument,
     generation_bytes,
+    max_depth,
 )
 from .draft import resolve_draft
 from .draft_model import DraftModel
 from .self_draft import SelfDraft
+from .shape_costs import auto_shape
 from .tree import TreeShape, path_moves, tree_mask, tree_positions
 from .verify import TreeForward
 
@@ -52,6 +55,9 @@ class GenerationStats:
     depth: int
     draft: str
     draft_bytes: int = 0  # bytes the draft holds on the device: low-bit copies, a draft model and its cache
+    # width="auto" / depth="auto": the decode tokens/s the cost model predicted for the chosen shape
+    # (`shape_choice.py`), beside the measured `decode_tokens_per_second`; None for a shape given
+    predicted_tokens_per_second: float | None = None
 
     @property
     def tree_tokens(self) -> int:
@@ -70,7 +76,15 @@ class GenerationStats:
 
     @property
     def tokens_per_second(self) -> float:
+        """New tokens per second of the whole call, prefill included."""
         return self.new_tokens / self.total_ms * 1e3 if self.total_ms else 0.0
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        """Tokens per second of the passes (draft and verify ms; the prefill's token left out): what
+        `predicted_tokens_per_second` predicts."""
+        ms = self.draft_ms + self.verify_ms
+        return (self.new_tokens - 1) / ms * 1e3 if ms else 0.0
 
     def __str__(self) -> str:
         return (f"{self.new_tokens} tokens in {self.total_ms / 1e3:.2f} s "
@@ -79,7 +93,10 @@ class GenerationStats:
                 f"{self.width}, depth {self.depth}), {self.accepted_per_pass:.2f} drafted tokens accepted "
                 f"per pass; prefill {self.prefill_ms:.0f} ms, draft {self.draft_ms:.0f} ms, verify "
                 f"{self.verify_ms:.0f} ms" + (f"; draft weights {format_size(self.draft_bytes)} on the device"
-                                              if self.draft_bytes else ""))
+                                              if self.draft_bytes else "")
+                + (f"; shape chosen by the cost model, predicted {self.predicted_tokens_per_second:.2f} "
+                   f"decode tokens/s, measured {self.decode_tokens_per_second:.2f}"
+                   if self.predicted_tokens_per_second is not None else ""))
 
 
 @dataclass(frozen=True)
@@ -116,8 +133,8 @@ def generate(
     max_new_tokens: int = 64,
     *,
     draft: object = "prompt-lookup",
-    width: int = 4,
-    depth: int = 6,
+    width: int | str = 4,
+    depth: int | str = 6,
     do_sample: bool = False,
     temperature: float = 1.0,
     top_k: int | None = None,
@@ -136,7 +153,10 @@ def generate(
     plus int4 copies, groups of 128, of the blocks it keeps off the GPU; `SelfDraft(bits, group)` for
     others, and to keep the copies for later calls), a small causal LM with the model's tokenizer (an
     nn.Module, on the model's device), None (one token per pass) or a `Draft`.
-    width, depth: the tree of every verify pass, `1 + width * depth` tokens (width 1: a chain).
+    width, depth: the tree of every verify pass, `1 + width * depth` tokens (width 1: a chain); "auto"
+    for either: chosen once, before the prefill, to maximise the decode tokens/s the placement's cost
+    model predicts with the draft's prior acceptance (`shape_choice.py`; widths 1..8, depths 1..12,
+    trees of at most 128 tokens), reported in `stats.predicted_tokens_per_second`.
     do_sample: rejection sampling from the model's distribution under temperature / top_k / top_p (as
     transformers' generate), drawn from `generator` (a CPU torch.Generator; seeded runs repeat); else
     greedy: the tokens equal the model's own greedy decoding wherever a forward over the tree ranks the
@@ -164,7 +184,15 @@ def generate(
         raise ArgumentError(f"a generator on {generator.device}: acceptance draws on the host, give "
                             "torch.Generator() (on the CPU), seeded as you like")
     drafter = resolve_draft(draft, compile)
-    shape = TreeShape(width, depth) if draft is not None else TreeShape(1, 0)
+    check_tree_argument("width", width)
+    check_tree_argument("depth", depth)
+    choice = None
+    if draft is not None:
+        TreeShape(1 if width == "auto" else width, 0 if depth == "auto" else depth)  # a bad integer: now
+        choice = auto_shape(model, drafter, width, depth,
+                            max_depth(model.config, ids.shape[1], max_new_tokens), compile)
+    shape = (TreeShape(choice.width, choice.depth) if choice is not None
+             else TreeShape(width, depth) if draft is not None else TreeShape(1, 0))
     draft_model = drafter.model if isinstance(drafter, DraftModel) else None
     if draft_model is not None:
         check_draft_vocabulary(vocab, check_causal_lm(draft_model, "draft"))
@@ -250,5 +278,6 @@ def generate(
         new_tokens=len(emitted), passes=len(accepted), accepted=tuple(accepted), prefill_ms=prefill_ms,
         draft_ms=draft_ms, verify_ms=verify_ms, total_ms=(time.perf_counter() - began) * 1e3,
         width=shape.width, depth=shape.depth, draft=drafter.name,
-        draft_bytes=drafter.device_bytes() if hasattr(drafter, "device_bytes") else 0)
+        draft_bytes=drafter.device_bytes() if hasattr(drafter, "device_bytes") else 0,
+        predicted_tokens_per_second=choice.tokens_per_second if choice is not None else None)
     return Generation(context[None], stats, torch.cat(kept) if output_logits else None)

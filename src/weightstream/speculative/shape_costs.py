@@ -1,0 +1,92 @@
+"""The verify-forward and draft-step ms the placement's cost model predicts, and `generate`'s automatic
+tree shape (`width="auto"`, `depth="auto"`) chosen from them (`shape_choice.py`).
+
+An offloaded model's verify forward is predicted for its own placement (`placement.cost.predict`) on
+the profile it was planned with (the machine's cached profile; the reference H200 profile on the CPU
+backend): a forward in a loop of them (`warm_ms`), or entered with nothing staged (`ms`) where it
+replays from a CUDA graph. A resident model is costed with every block resident. A draft step of
+`width` tokens: 0 ms for prompt lookup; for the self-draft or a draft model, the draft's modules all
+resident at `width` tokens (for the self-draft an upper bound: its low-bit copies read fewer bytes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import nn
+
+from ..handle import _HANDLE_ATTR
+from ..placement.cost import predict
+from ..placement.plan import Placement
+from ..placement.prepare import prepare
+from ..placement.probe import load_profile
+from .checks import check_tree_argument
+from .draft_model import DraftModel
+from .self_draft import SelfDraft
+from .shape_choice import DEPTHS, MAX_TREE_TOKENS, PRIOR_ACCEPTANCE, WIDTHS, ShapeChoice, choose_shape
+
+
+def _forward_ms(model: nn.Module, replay: bool, resident: bool = False) -> Callable[[int], float]:
+    """ms of one forward of `model` at a number of tokens, by the cost model: in its placement where
+    it is offloaded, unless `resident` (every block on the device)."""
+    handle = getattr(model, _HANDLE_ATTR, None)
+    if handle is not None and not handle.restored:
+        cost, p = handle._cost, handle.placement
+        profile = handle.config.profile if handle.config is not None else None
+        profile = profile or load_profile(handle.device)
+    else:
+        device = model.get_input_embeddings().weight.device
+        cost = prepare(model, 0, device=device, placement=Placement((), 0, 0, 0, 0), predict_wire=False).cost
+        p, profile = None, load_profile(device)
+    if resident or p is None:
+        p = Placement((), 0, 0, 0, 0)
+
+    def ms(tokens: int) -> float:
+        got = predict(cost, p.streamed, p.n_slots, p.uva, tokens, profile, p.part, p.compressed,
+                      p.n_landing, p.uva_experts)
+        return got.ms if replay else got.again_ms
+
+    return ms
+
+
+def prior_acceptance(drafter) -> float:
+    """The per-level acceptance `a` assumed before anything is measured (`PRIOR_ACCEPTANCE`)."""
+    if isinstance(drafter, SelfDraft):
+        return PRIOR_ACCEPTANCE["self-int8" if drafter.bits == 8 else "self-int4"]
+    if isinstance(drafter, DraftModel):
+        return PRIOR_ACCEPTANCE["model"]
+    return PRIOR_ACCEPTANCE["prompt-lookup"]
+
+
+def _dimension(name: str, value) -> tuple[int, ...] | None:
+    """The candidates of one tree dimension: all of them for "auto", None for a fixed value."""
+    check_tree_argument(name, value)
+    if value == "auto":
+        return WIDTHS if name == "width" else DEPTHS
+    return None
+
+
+def auto_shape(model: nn.Module, drafter, width, depth, max_depth: int | None,
+               compile: bool | str) -> ShapeChoice | None:
+    """The tree `generate` runs when `width` or `depth` is "auto": the `choose_shape` of the prior
+    acceptance of `drafter` over verify and draft-step ms predicted for `model` (module docstring);
+    a fixed dimension stays as given. None when neither is "auto". max_depth: the deepest tree the
+    model's positions allow (None: no limit)."""
+    widths, depths = _dimension("width", width), _dimension("depth", depth)
+    if widths is None and depths is None:
+        return None
+    widths = widths or (width,)
+    depths = depths or (depth,)
+    if max_depth is not None:
+        depths = tuple(d for d in depths if d <= max_depth) or (min(depths),)
+    replay = compile == "reduce-overhead"
+    verify_ms = _forward_ms(model, replay)
+    if isinstance(drafter, SelfDraft):
+        draft_step_ms = _forward_ms(model, replay, resident=True)  # every module on the device
+    elif isinstance(drafter, DraftModel):
+        draft_step_ms = _forward_ms(drafter.model, replay)
+    else:
+        def draft_step_ms(w: int) -> float:
+            return 0.0
+    return choose_shape(prior_acceptance(drafter), verify_ms, draft_step_ms, widths, depths,
+                        max(MAX_TREE_TOKENS, 1 + min(widths) * min(depths)))

@@ -1,0 +1,112 @@
+"""The automatic tree shape: the argmax of the stated objective over cost curves and acceptance rates, a
+link-bound verify picks a large tree and a compute-bound one a small one, the acceptance estimate, and
+`generate(width="auto", depth="auto")` exact against plain greedy and the resident run."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import make_model
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_loop import offloaded, plain_greedy, repetitive_prompt
+from test_self_draft import off_gpu_blocks
+
+import weightstream as ws
+from weightstream.errors import ArgumentError
+from weightstream.speculative.shape_choice import (
+    MAX_TREE_TOKENS,
+    candidates,
+    choose_shape,
+    estimate_acceptance,
+    expected_accepted,
+    objective,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(a=st.floats(0, 1), fixed=st.floats(0.1, 500), per_token=st.floats(0, 20), draft=st.floats(0, 50),
+       draft_per_token=st.floats(0, 5), max_tokens=st.integers(2, 200))
+def test_the_choice_is_the_argmax_of_the_objective(a, fixed, per_token, draft, draft_per_token, max_tokens):
+    def verify_ms(n: int) -> float:
+        return fixed + per_token * n
+
+    def draft_step_ms(w: int) -> float:
+        return draft + draft_per_token * w
+
+    choice = choose_shape(a, verify_ms, draft_step_ms, max_tokens=max_tokens)
+    best = objective(a, choice.width, choice.depth, verify_ms, draft_step_ms)
+    assert all(best >= objective(a, w, d, verify_ms, draft_step_ms)
+               for w, d in candidates(max_tokens=max_tokens))
+    assert choice.tokens <= max_tokens
+    assert choice.tokens_per_second == pytest.approx(best * 1e3)
+
+
+def test_a_link_bound_verify_picks_a_large_tree_and_a_compute_bound_one_a_small_one():
+    link_bound = choose_shape(0.33, lambda n: 200.0, lambda w: 0.0)
+    compute_bound = choose_shape(0.33, lambda n: 2.0 * n, lambda w: 0.0)
+    assert link_bound.tokens == max(1 + w * d for w, d in candidates())
+    assert compute_bound.tokens <= 5
+    assert link_bound.tokens > 10 * compute_bound.tokens
+
+
+def test_a_costly_draft_step_makes_the_tree_shallower():
+    free = choose_shape(0.2, lambda n: 100.0, lambda w: 0.0)
+    costly = choose_shape(0.2, lambda n: 100.0, lambda w: 100.0)
+    assert costly.depth < free.depth
+
+
+def test_expected_accepted_follows_the_stated_model():
+    assert expected_accepted(0.0, 8, 12) == 0.0
+    assert expected_accepted(1.0, 1, 7) == 7.0
+    p = 1 - (1 - 0.3) ** 4
+    assert expected_accepted(0.3, 4, 3) == pytest.approx(p + p**2 + p**3)
+
+
+def test_the_acceptance_estimate_moves_from_the_prior_toward_what_was_measured():
+    prior = 0.2
+    assert estimate_acceptance([], 4, 6, prior) == pytest.approx(prior)
+    high = estimate_acceptance([6] * 50, 4, 6, prior)
+    low = estimate_acceptance([0] * 50, 4, 6, prior)
+    assert low < prior < high
+    assert estimate_acceptance([0] * 10_000, 1, 6, prior) < 0.01
+
+
+def test_bad_values_raise_argument_error():
+    with pytest.raises(ArgumentError, match="probability"):
+        choose_shape(1.5, lambda n: 1.0, lambda w: 0.0)
+    with pytest.raises(ArgumentError, match="allow a smaller"):
+        choose_shape(0.5, lambda n: 1.0, lambda w: 0.0, widths=(8,), depths=(12,),
+                     max_tokens=MAX_TREE_TOKENS // 2)
+    model = make_model("llama")
+    ids = repetitive_prompt(1)
+    for kwargs in ({"width": "wide"}, {"depth": "deep"}, {"width": 0, "depth": "auto"}, {"width": 2.5}):
+        with pytest.raises(ArgumentError):
+            ws.generate(model, ids, 4, **kwargs)
+
+
+@pytest.mark.parametrize("draft", ["prompt-lookup", "self"])
+def test_an_automatic_shape_gives_plain_greedy_and_the_resident_run(draft):
+    ref = make_model("llama")
+    model = offloaded(copy.deepcopy(ref))
+    ids = repetitive_prompt(3)
+    auto = ws.generate(model, ids, 16, draft=draft, width="auto", depth="auto", eos_token_id=[],
+                       output_logits=True)
+    stats = auto.stats
+    assert stats.predicted_tokens_per_second is not None and stats.predicted_tokens_per_second > 0
+    assert "predicted" in str(stats)
+    same = draft if draft == "prompt-lookup" else ws.SelfDraft(blocks=off_gpu_blocks(model))
+    resident = ws.generate(ref, ids, 16, draft=same, width=stats.width, depth=stats.depth,
+                           eos_token_id=[], output_logits=True)
+    assert torch.equal(auto.tokens, resident.tokens)
+    assert torch.equal(auto.logits, resident.logits)
+    assert torch.equal(auto.tokens, plain_greedy(ref, ids, 16))
+    assert resident.stats.predicted_tokens_per_second is None  # a shape given: nothing predicted
+
+
+def test_one_dimension_auto_keeps_the_other_as_given():
+    model = make_model("llama")
+    stats = ws.generate(model, repetitive_prompt(2), 6, width=3, depth="auto", eos_token_id=[]).stats
+    assert stats.width == 3 and 1 <= stats.depth <= 12
