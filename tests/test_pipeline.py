@@ -883,3 +883,29 @@ def test_loading_a_pipeline_folder_never_holds_the_whole_model_in_host_memory(tm
     ours, control = peak("weightstream"), peak(str(total))
     assert control >= total  # the measure sees bytes held at once
     assert ours < total * 0.5, (ours, budgets, total)
+
+
+def test_the_load_plans_for_the_steps_it_is_given_as_plan_does(bf16_folder, capsys, tmp_path):
+    """from_pretrained(folder, steps=N) splits the budget as `weightstream plan --steps N` shows it; steps
+    on a model checkpoint, or below 1, is refused."""
+    import json
+
+    from conftest import make_model
+
+    from weightstream.cli import main
+
+    folder, _, _, total = bf16_folder
+    for steps in (1, 50):
+        assert main(["plan", folder, "--gpu-memory", str(total // 2), "--steps", str(steps), "--json"]) == 0
+        report = json.loads(capsys.readouterr().out)
+        handle = ws.from_pretrained(folder, gpu_memory=total // 2, device="cpu", progress=False, steps=steps)
+        for name, c in report["components"].items():
+            p = handle.placements[name]
+            assert (c["gpu_bytes"], c["streamed_blocks"], c["calls"]) == (
+                p.gpu_bytes, len(p.streamed), handle.plans[name].calls), (name, steps)
+        handle.restore()
+    with pytest.raises(ws.ArgumentError, match="at least 1 denoising step"):
+        ws.from_pretrained(folder, gpu_memory=total // 2, device="cpu", steps=0)
+    make_model("llama").save_pretrained(tmp_path / "llm")
+    with pytest.raises(ws.ArgumentError, match="is for a diffusers pipeline folder"):
+        ws.from_pretrained(tmp_path / "llm", gpu_memory="1GB", device="cpu", steps=4)

@@ -316,7 +316,7 @@ def generate_image(
         parse_dtype(dtype)  # before anything is loaded
     start = time.perf_counter()
     handle = from_pretrained(path, gpu_memory, cpu_memory=cpu_memory, dtype=dtype, device=device,
-                             progress=progress)
+                             progress=progress, steps=steps)  # the split planned for these steps
     on = next(iter(handle.handles.values())).device
     _synchronize(on)
     load_seconds = time.perf_counter() - start

@@ -371,7 +371,7 @@ def host_shares(needs: dict[str, tuple[int, list[int]]], calls: dict[str, int],
 
 def load_pipeline(path, config: OffloadConfig, *, cpu_memory: int | str | None = None,
                   dtype: torch.dtype | str | None = None, progress: bool = True, cache_dir=None,
-                  build_context, load) -> PipelineHandle:
+                  steps: int = DEFAULT_STEPS, build_context, load) -> PipelineHandle:
     """`weightstream.from_pretrained` for a local diffusers pipeline folder (`model_index.json` and a
     subfolder per component): every nn.Module component built with its parameters on the meta device
     (`meta_components` in `build_context`), planned under one budget (`split_budget`, as
@@ -380,7 +380,9 @@ def load_pipeline(path, config: OffloadConfig, *, cpu_memory: int | str | None =
     tokenizers and scheduler come from `DiffusionPipeline.from_pretrained` given those components. The
     whole model is never in host memory: its streamed groups take at most `cpu_memory` bytes ("16GiB";
     None: no limit), shared by `host_shares`, and groups beyond a component's share stay in its files
-    (the disk tier). dtype: every component's (default: each in the dtype its weights are stored in,
+    (the disk tier). steps: denoising steps per generation to plan for, as `offload_pipeline`'s (the
+    budget split and the host shares weigh each component by its calls per generation). dtype: every
+    component's (default: each in the dtype its weights are stored in,
     with what its library keeps in float32 in float32, as diffusers loads it with that dtype).
     build_context and load are formats/hf.py's `params_on_meta` and `load_into_place`, passed by its
     `from_pretrained` (which calls this), so this module does not import the checkpoint reader back.
@@ -400,7 +402,7 @@ def load_pipeline(path, config: OffloadConfig, *, cpu_memory: int | str | None =
     if not modules:
         raise CheckpointError(f"{folder / 'model_index.json'} names no model to offload: load the pipeline "
                               "with diffusers.DiffusionPipeline.from_pretrained")
-    calls, tokens = _resolve_calls(modules, DEFAULT_STEPS, None, None)
+    calls, tokens = _resolve_calls(modules, steps, None, None)
     costs = component_costs(modules, config.device, allow_meta=True, compress=config.compress)
     profile = load_profile(config.device) if config.profile is None else config.profile
     plans = split_budget(costs, config.gpu_memory, calls, tokens, profile, config.strategy, config.compress)

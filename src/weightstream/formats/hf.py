@@ -21,9 +21,9 @@ from tqdm.auto import tqdm
 from ..config import OffloadConfig, config_of
 from ..dtypes import parse_dtype
 from ..engine.host import HostArena
-from ..errors import BudgetError, CheckpointError
+from ..errors import ArgumentError, BudgetError, CheckpointError
 from ..handle import OffloadHandle, finish
-from ..pipeline import PipelineHandle, is_pipeline_folder, load_pipeline
+from ..pipeline import DEFAULT_STEPS, PipelineHandle, is_pipeline_folder, load_pipeline
 from ..placement.entries import Entry
 from ..placement.layout import Slice
 from ..placement.plan import choose_disk_groups
@@ -272,6 +272,7 @@ def from_pretrained(
     profile: MachineProfile | None = None,
     compress: bool | str = "auto",
     cache_dir: str | os.PathLike | None = None,
+    steps: int | None = None,
 ) -> nn.Module | PipelineHandle:
     """Load the model in the local folder `path` so its weights take at most `gpu_memory`.
 
@@ -302,13 +303,21 @@ def from_pretrained(
     A diffusers pipeline folder (`model_index.json` and a subfolder per component, as
     `DiffusionPipeline.save_pretrained` writes it) gives its `PipelineHandle` (`handle.pipe` is the
     pipeline): one `gpu_memory` and one `cpu_memory` over all its models, each loaded as above
-    (`pipeline.load_pipeline`; dtype: every model's, default each in the dtype its weights are stored in).
+    (`pipeline.load_pipeline`; dtype: every model's, default each in the dtype its weights are stored in;
+    steps: the denoising steps per generation the split is planned for, default 28, as `weightstream
+    plan --steps`; pipeline folders only).
     """
     config = config_of(gpu_memory, device=device, pin_memory=pin_memory, strategy=strategy, tokens=tokens,
                        profile=profile, compress=compress)
     if is_pipeline_folder(path):  # a diffusers pipeline: each of its models built and loaded as below
+        if steps is not None and steps < 1:
+            raise ArgumentError(f"steps={steps}: a generation takes at least 1 denoising step")
         return load_pipeline(path, config, cpu_memory=cpu_memory, dtype=dtype, progress=progress,
-                             cache_dir=cache_dir, build_context=params_on_meta, load=load_into_place)
+                             cache_dir=cache_dir, steps=steps or DEFAULT_STEPS, build_context=params_on_meta,
+                             load=load_into_place)
+    if steps is not None:
+        raise ArgumentError(f"steps={steps} is for a diffusers pipeline folder (denoising steps to plan "
+                            f"for); {path} is a model checkpoint: drop steps")
     folder = checkpoint_folder(path)
     host_bytes = None if cpu_memory is None else parse_size(cpu_memory)
     model = build_model(folder, dtype)
