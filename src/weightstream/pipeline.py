@@ -406,13 +406,8 @@ def load_pipeline(path, config: OffloadConfig, *, cpu_memory: int | str | None =
     costs = component_costs(modules, config.device, allow_meta=True, compress=config.compress)
     profile = load_profile(config.device) if config.profile is None else config.profile
     plans = split_budget(costs, config.gpu_memory, calls, tokens, profile, config.strategy, config.compress)
-    configs = {name: config.replace(gpu_memory=p.placement.gpu_bytes, placement=p.placement,
-                                    compress=p.placement.compressed) for name, p in plans.items()}
-    needs = {}
-    for name, m in modules.items():
-        prep = prepare(m, configs[name], allow_meta=True, predict_wire=False)
-        needs[name] = (sum(prep.uva_group_bytes), prep.group_bytes)
-    shares = host_shares(needs, calls, host_bytes)
+    configs = _component_configs(plans, config)
+    _, _, shares = _component_shares(modules, configs, calls, host_bytes)
     # the rest as diffusers loads it; the pipeline's own class, since DiffusionPipeline's would load the
     # components its class marks optional (WanPipeline's transformer) from the files instead
     from .formats.checkpoint import read_json
@@ -667,6 +662,23 @@ def plan_pipeline(folder: str, gpu_memory: int | str | OffloadConfig, steps: int
             "components": rows}
 
 
+def _component_configs(plans: dict[str, ComponentPlan], config: OffloadConfig) -> dict[str, OffloadConfig]:
+    """Each component's config: `config` with its share of the budget and its planned placement."""
+    return {name: config.replace(gpu_memory=p.placement.gpu_bytes, placement=p.placement,
+                                 compress=p.placement.compressed) for name, p in plans.items()}
+
+
+def _component_shares(modules: dict[str, nn.Module], configs: dict[str, OffloadConfig], calls: dict[str, int],
+                      cpu_memory: int | None):
+    """Each component prepared under its config (moves nothing), what it needs in host memory (its
+    zero-copy bytes, each streamed group's bytes) and its share of `cpu_memory` (`host_shares`), as
+    (preps, needs, shares): what `load_pipeline` loads with and `plan_pipeline` reports."""
+    preps = {name: prepare(m, configs[name], allow_meta=True, predict_wire=False)
+             for name, m in modules.items()}
+    needs = {name: (sum(prep.uva_group_bytes), prep.group_bytes) for name, prep in preps.items()}
+    return preps, needs, host_shares(needs, calls, cpu_memory)
+
+
 def _host_tier(modules: dict[str, nn.Module], plans: dict[str, ComponentPlan], config: OffloadConfig,
                calls: dict[str, int], cpu_memory: int | None) -> dict[str, dict[str, int]]:
     """Where each component's offloaded bytes live when its pipeline folder is loaded with `cpu_memory`
@@ -674,13 +686,8 @@ def _host_tier(modules: dict[str, nn.Module], plans: dict[str, ComponentPlan], c
     decide it: `host_bytes` (its share, `host_shares`), `disk_bytes` and `disk_groups` (the tensor bytes
     and count of its streamed groups left in their files, `choose_disk_groups`). Moves nothing; a
     group's byte layout is the same on every device, so the groups are laid out for the CPU."""
-    preps = {name: prepare(m, config.replace(device="cpu", gpu_memory=plans[name].placement.gpu_bytes,
-                                             placement=plans[name].placement,
-                                             compress=plans[name].placement.compressed),
-                           allow_meta=True, predict_wire=False)
-             for name, m in modules.items()}
-    needs = {name: (sum(prep.uva_group_bytes), prep.group_bytes) for name, prep in preps.items()}
-    shares = host_shares(needs, calls, cpu_memory)
+    configs = _component_configs(plans, config.replace(device="cpu"))
+    preps, needs, shares = _component_shares(modules, configs, calls, cpu_memory)
     tiers = {}
     for name, prep in preps.items():
         uva, groups = needs[name]
