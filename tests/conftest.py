@@ -48,6 +48,38 @@ def make_model(arch: str, seed: int = 0, dtype=torch.float32):
     return model.eval().requires_grad_(False)
 
 
+def rss_bytes() -> int:
+    """This process's resident set size now, in bytes (/proc/self/statm)."""
+    import os
+
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def rss_while(call):
+    """Run `call()` while a thread samples the resident set every 2 ms; return (its result, the resident
+    set before, its highest sample, the resident set after), sizes in bytes."""
+    import threading
+    import time
+
+    before = rss_bytes()
+    peak, stop = [before], threading.Event()
+
+    def sample():
+        while not stop.is_set():
+            peak[0] = max(peak[0], rss_bytes())
+            time.sleep(0.002)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        result = call()
+    finally:
+        stop.set()
+        sampler.join()
+    return result, before, peak[0], rss_bytes()
+
+
 def weight_bytes(model) -> int:
     """Bytes of the model's distinct parameters and buffers."""
     seen = {id(t): t for t in list(model.parameters()) + list(model.buffers())}

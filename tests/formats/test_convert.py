@@ -5,13 +5,10 @@ places: every tensor, logit and generated token equal to transformers' own resid
 from __future__ import annotations
 
 import json
-import os
-import threading
-import time
 
 import pytest
 import torch
-from conftest import weight_bytes
+from conftest import rss_while, weight_bytes
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from model_zoo import MOE, ZOO
@@ -186,11 +183,6 @@ def test_weightstream_generate_on_a_moe_checkpoint_gives_transformers_tokens(che
     assert code == 0 and want and want in capsys.readouterr().out
 
 
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def test_experts_are_read_into_place_without_building_a_fused_tensor(tmp_path):
     """Host memory beyond the final placement stays below one fused expert tensor: each expert's stored
     tensor is read straight into its region (the CPU backend's "device" is host memory too)."""
@@ -205,27 +197,12 @@ def test_experts_are_read_into_place_without_building_a_fused_tensor(tmp_path):
     fused = big.model.layers[0].mlp.experts.gate_up_proj.nbytes  # 32 MiB
     total = weight_bytes(big)
     del big
-    before = _rss()
-    peak, stop = [before], threading.Event()
-
-    def sample():
-        while not stop.is_set():
-            peak[0] = max(peak[0], _rss())
-            time.sleep(0.002)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    try:
-        model = ws.from_pretrained(tmp_path, gpu_memory=total // 2, device="cpu", progress=False,
-                                   strategy="stream")
-    finally:
-        stop.set()
-        sampler.join()
-    final = _rss()
+    model, before, peak, final = rss_while(lambda: ws.from_pretrained(
+        tmp_path, gpu_memory=total // 2, device="cpu", progress=False, strategy="stream"))
     stats = ws.handle_of(model).stats
     assert stats.groups >= 2
     assert final - before <= total + stats.staging_bytes + 16 * 2**20
-    assert peak[0] - final < fused // 2, (peak[0] - final) / 2**20
+    assert peak - final < fused // 2, (peak - final) / 2**20
 
 
 @pytest.mark.gpu

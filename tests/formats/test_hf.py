@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import json
 import os
-import threading
-import time
 
 import pytest
 import torch
-from conftest import make_model, weight_bytes
+from conftest import make_model, rss_while, weight_bytes
 from transformers import AutoModelForCausalLM
 
 import weightstream as ws
@@ -53,11 +51,6 @@ def test_dtype_conversion_matches_transformers(tmp_path):
         assert torch.equal(model(ids_for()).logits, reference(ids_for()).logits)
 
 
-def _rss() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def test_load_never_holds_more_than_one_shard_beyond_the_final_placement(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -69,25 +62,13 @@ def test_load_never_holds_more_than_one_shard_beyond_the_final_placement(tmp_pat
     shard_bytes = max(os.path.getsize(folder / f) for f in os.listdir(folder) if f.endswith(".safetensors"))
     total = weight_bytes(big)
     del big
-    before = _rss()
-    peak, stop = [before], threading.Event()
-
-    def sample():
-        while not stop.is_set():
-            peak[0] = max(peak[0], _rss())
-            time.sleep(0.002)
-
-    sampler = threading.Thread(target=sample)
-    sampler.start()
-    model = ws.from_pretrained(folder, gpu_memory=total // 3, device="cpu", progress=False, strategy="stream")
-    stop.set()
-    sampler.join()
-    final = _rss()
+    model, before, peak, final = rss_while(lambda: ws.from_pretrained(
+        folder, gpu_memory=total // 3, device="cpu", progress=False, strategy="stream"))
     stats = ws.handle_of(model).stats
     assert stats.groups >= 4
     # on the CPU backend "device" memory is host memory too: weights + staging slots, nothing more
     assert final - before <= total + stats.staging_bytes + 32 * 2**20
-    assert peak[0] - final <= shard_bytes + 32 * 2**20  # extra over the final footprint: < one shard
+    assert peak - final <= shard_bytes + 32 * 2**20  # extra over the final footprint: < one shard
 
 
 # --- errors: each says what to fix --------------------------------------------------------------------
