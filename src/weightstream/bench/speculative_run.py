@@ -145,17 +145,27 @@ def verify_rows(model: nn.Module, budget: int, trees: list[int], modes: list[str
                             setup={"context_tokens": context, "stats": asdict(stats)},
                             wire_bytes=stats.wire_bytes, wire_raw_bytes=stats.wire_raw_bytes,
                             wire_ratio=stats.wire_ratio)
-            try:
-                entry, _ = measure(lambda args=args, forward=forward: forward.run(*args), reps, device)
-                fill_row(row, entry, bandwidth)
-                log(f"ws-verify {size} tokens {mode}: {row.median_ms:.1f} ms, link bound {row.link_bound_ms}")
-            except Exception as err:  # a row that failed is recorded, the run goes on
-                row.error = first_line(err)
-                log(f"ws-verify {size} tokens {mode}: {row.error}")
-            rows.append(row)
+            rows.append(_timed(row, lambda args=args, forward=forward: forward.run(*args), reps, device,
+                               bandwidth, f"ws-verify {size} tokens {mode}"))
             del forward, cache
             release_memory(device)
     return rows
+
+
+def _timed(row: ResultRow, call, reps: int, device: torch.device, bandwidth: float | None,
+           label: str) -> ResultRow:
+    """`row` with the median of `reps` calls of `call` (ms; its link bound from `bandwidth`, GB/s, where
+    given), or the first line of the error a call raised: a row that failed is recorded, the run goes
+    on. Logged under `label`."""
+    try:
+        entry, _ = measure(call, reps, device)
+        fill_row(row, entry, bandwidth)
+        bound = f", link bound {row.link_bound_ms}" if bandwidth is not None else ""
+        log(f"{label}: {row.median_ms:.1f} ms{bound}")
+    except Exception as err:
+        row.error = first_line(err)
+        log(f"{label}: {row.error}")
+    return row
 
 
 def generation_rows(model: nn.Module, tokenizer, budget: int, new_tokens: int, count: int, width: int,
@@ -239,14 +249,8 @@ def draft_step_rows(model: nn.Module, budget: int, width: int, modes: list[str],
                             reference="none: timing only (tests/speculative check exactness)",
                             setup={"draft": draft.name, "draft_bytes": draft.device_bytes(),
                                    "context_tokens": context})
-            try:
-                entry, _ = measure(lambda args=args: draft.forward.run(*args), reps, device)
-                fill_row(row, entry, None)
-                log(f"ws-self-draft {size} tokens {mode}: {row.median_ms:.1f} ms")
-            except Exception as err:  # a row that failed is recorded, the run goes on
-                row.error = first_line(err)
-                log(f"ws-self-draft {size} tokens {mode}: {row.error}")
-            rows.append(row)
+            rows.append(_timed(row, lambda args=args: draft.forward.run(*args), reps, device, None,
+                               f"ws-self-draft {size} tokens {mode}"))
         del cache
     release_memory(device)
     return rows
