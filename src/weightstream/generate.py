@@ -168,16 +168,13 @@ def generate_text(
     start = time.perf_counter()
     streamer = _timed_streamer(tokenizer, start, echo)
     model.generate(ids, streamer=streamer, **kwargs)
-    if handle.device.type == "cuda":
-        torch.cuda.synchronize(handle.device)
+    _synchronize(handle.device)
     seconds = time.perf_counter() - start
     return GenerationSummary(
         new_tokens=streamer.count,
         seconds=seconds,
         first_token_seconds=streamer.first or seconds,
-        gpu_allocated_bytes=(
-            torch.cuda.memory_allocated(handle.device) if handle.device.type == "cuda" else None
-        ),
+        gpu_allocated_bytes=_allocated(handle.device),
         pinned_bytes=handle.stats.pinned_bytes,
         disk_bytes=handle.stats.disk_bytes,
     )
@@ -200,9 +197,7 @@ def _speculate(model, tokenizer, ids: torch.Tensor, speculate: str, width: int, 
         new_tokens=out.stats.new_tokens,
         seconds=seconds,
         first_token_seconds=out.stats.prefill_ms / 1e3,
-        gpu_allocated_bytes=(
-            torch.cuda.memory_allocated(handle.device) if handle.device.type == "cuda" else None
-        ),
+        gpu_allocated_bytes=_allocated(handle.device),
         pinned_bytes=handle.stats.pinned_bytes,
         speculation=out.stats,
         disk_bytes=handle.stats.disk_bytes,
@@ -356,7 +351,7 @@ def generate_image(
         path=str(out), width=image.width, height=image.height,
         steps=clock.steps or steps or 0, load_seconds=load_seconds, seconds=seconds,
         step_ms=clock.ms_per_step(),
-        gpu_allocated_bytes=torch.cuda.memory_allocated(on) if on.type == "cuda" else None,
+        gpu_allocated_bytes=_allocated(on),
         pinned_bytes=sum(s.pinned_bytes for s in stats), disk_bytes=sum(s.disk_bytes for s in stats),
     )
 
@@ -364,3 +359,8 @@ def generate_image(
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def _allocated(device: torch.device) -> int | None:
+    """Bytes torch has allocated on `device` now; None on the CPU."""
+    return torch.cuda.memory_allocated(device) if device.type == "cuda" else None

@@ -30,9 +30,9 @@ def add_lora(model: nn.Module, rank: int, seed: int = 0) -> dict:
         from peft import LoraConfig, inject_adapter_in_model
     except ImportError as err:
         raise ArgumentError("--lora needs peft: pip install peft") from err
-    names = {name.rsplit(".", 1)[-1] if not name.endswith("to_out.0") else "to_out.0"
-             for name, m in model.named_modules() if isinstance(m, nn.Linear)}
-    targets = [t for t in TARGETS if t in names]
+    linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    # as peft matches target_modules: the module's name, or its last dotted parts
+    targets = [t for t in TARGETS if any(n == t or n.endswith("." + t) for n in linears)]
     if not targets:
         raise ArgumentError(f"--lora: {type(model).__name__} has none of the attention projections a LoRA "
                             f"targets ({', '.join(TARGETS)})")
