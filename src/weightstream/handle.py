@@ -19,7 +19,7 @@ from torch import nn
 
 from .config import OffloadConfig
 from .devices import resolve_device
-from .engine import guards
+from .engine import expert_cache, guards
 from .engine.engine import StreamEngine
 from .engine.experts import ExpertCounter, RoutedBlock
 from .engine.host import HostArena
@@ -56,7 +56,9 @@ class OffloadStats:
 
     `expert_bytes_per_token`: for a mixture of experts whose routed experts are off the GPU, the expert
     bytes read over the link per token (zero-copy experts the tokens reached, streamed expert groups
-    whole) since `handle.count_experts()` put the routers' counters on; None without them.
+    whole) since `handle.count_experts()` put the routers' counters on; None without them. Blocks
+    with a GPU expert cache count the rows their caches read from host memory instead, and
+    `expert_hit_rate` is the share of the experts reached that were in the cache.
     """
 
     device: str
@@ -82,6 +84,10 @@ class OffloadStats:
     # the planner's ms of a forward entered with nothing staged: the first, or a CUDA graph replay
     predicted_first_ms: float | None = None
     expert_bytes_per_token: float | None = None  # counted since count_experts(); None: not counted
+    # the GPU expert cache (placement.expert_cache): its pools and work buffers' bytes, and its hits
+    # over the experts reached since offload or count_experts() (None: no cache, or nothing reached)
+    cache_bytes: int = 0
+    expert_hit_rate: float | None = None
 
     @property
     def disk_ratio(self) -> float:
@@ -135,6 +141,7 @@ class OffloadHandle:
         self._cost = prep.cost
         self._blocks = prep.block_modules
         self._experts: ExpertCounter | None = None  # count_experts()
+        self.expert_caches: expert_cache.ExpertCaches | None = None  # the GPU expert cache (finish)
         self.restored = False
 
     def settle(self) -> list[str]:
@@ -174,6 +181,8 @@ class OffloadHandle:
                            for enc, size in zip(self.engine.wire, self.engine.group_bytes, strict=True)),
             wire_raw_bytes=sum(self.engine.group_bytes),
             expert_bytes_per_token=self._experts.bytes_per_token() if self._experts else None,
+            cache_bytes=p.cache_bytes,
+            expert_hit_rate=self.expert_caches.hit_rate() if self.expert_caches else None,
         )
 
     def count_experts(self, on: bool = True) -> None:
@@ -195,9 +204,12 @@ class OffloadHandle:
                 for entry, _ in group:
                     if experts and len(entry.shape) == 3 and entry.shape[0] == experts:
                         into[entry.owner] += entry.nbytes
+        cached = set(self.placement.expert_cache)  # their caches count what they read
         blocks = [RoutedBlock(m, experts, in_place[i], streamed[i]) for i, m in enumerate(self._blocks)
-                  if in_place[i] or streamed[i]]
-        self._experts = ExpertCounter(blocks, self.device)
+                  if (in_place[i] or streamed[i]) and i not in cached]
+        if self.expert_caches:
+            self.expert_caches.reset_counts()
+        self._experts = ExpertCounter(blocks, self.device, self.expert_caches)
 
     @contextlib.contextmanager
     def edit(self):
@@ -236,7 +248,8 @@ class OffloadHandle:
             config = config.replace(placement=placement_of(
                 cost, p.streamed, p.n_slots, p.uva, p.part, budget=self.engine.budget,
                 strategy=p.requested_strategy, compressed=p.compressed,
-                landing_buffers=p.landing_buffers or None, uva_experts=p.uva_experts))
+                landing_buffers=p.landing_buffers or None, uva_experts=p.uva_experts,
+                expert_cache=p.expert_cache, expert_slots=p.expert_slots))
         new = offload_module(self.model, config)
         new.config = asked  # what was asked; the placement kept (or resized) is an edit's, not the user's
         self.__dict__.clear()
@@ -264,6 +277,8 @@ class OffloadHandle:
         for module in self._patched:
             del module._apply
         self.count_experts(False)
+        if self.expert_caches:
+            self.expert_caches.remove()
         engine.guards.remove()  # after this, parameters() would read the slots: none is read below
         object.__delattr__(self.model, _HANDLE_ATTR)
         engine.transfer.close()
@@ -310,12 +325,15 @@ def finish(
     for entry in prep.entries:
         if id(entry) not in off_device:
             _set_tensor(entry, places[id(entry)])
+    regions = []
     for j, group in enumerate(prep.uva_groups):  # zero copy: the device reads the arena in place
         region = arena.region(len(prep.groups) + j)
         if prep.device.type == "cuda":
             region = uva_view(region, prep.device)
+        regions.append(region)
         for entry, sl in group:
             _set_tensor(entry, entry.view_of(region[sl.offset : sl.offset + sl.nbytes]))
+    caches = expert_cache.install(prep, regions)  # cached experts: their parameters view work buffers
     slots = [
         torch.empty(placement.slot_bytes, dtype=torch.uint8, device=prep.device)
         for _ in range(placement.n_slots)
@@ -330,6 +348,7 @@ def finish(
 
     engine = StreamEngine(prep, arena, slots, disk, pin, check)
     handle = OffloadHandle(prep, engine)
+    handle.expert_caches = caches
     engine.guards = guards.ModelGuards(engine, prep.model)  # gradients off, eval mode, true state dicts
     _install_schedule(engine, prep.block_modules, handle._streamed_modules)
     for module in prep.model.modules():

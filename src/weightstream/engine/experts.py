@@ -5,7 +5,8 @@ whose routed experts are off the GPU adds, on the device, how many distinct expe
 reached, the call's tokens and one call. No host synchronization and nothing Python-side per call that
 a CUDA graph replay would skip: the counts are device tensors, read (synchronizing) only when asked.
 Zero-copy experts cost the bytes of the experts reached; streamed ones the whole group's expert bytes
-per call, since a copy moves every expert before the router has run.
+per call, since a copy moves every expert before the router has run; experts behind a GPU expert cache
+(`expert_cache.py`) the rows their cache read from host memory, which it counts itself.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ class ExpertCounter:
     """Forward hooks on the routers of `blocks` and the device counters they add to (see the module
     docstring); `remove()` takes the hooks off."""
 
-    def __init__(self, blocks: list[RoutedBlock], device: torch.device) -> None:
+    def __init__(self, blocks: list[RoutedBlock], device: torch.device, caches=None) -> None:
+        self.caches = caches  # the model's ExpertCaches: they count the bytes of their own blocks
         self.sites: list[tuple[nn.Module, RoutedBlock]] = [
             (router, block) for block in blocks for _, router in routers(block.module)]
         # per router: experts reached (summed over calls), tokens, calls
@@ -58,11 +60,13 @@ class ExpertCounter:
         any token."""
         counts = self.counts.tolist()  # the one synchronization: when asked
         tokens = max((t for _, t, _ in counts), default=0.0)
-        if not tokens:
-            return None
         total = sum(reached * block.in_place_bytes / block.experts + calls * block.streamed_bytes
                     for (reached, _, calls), (_, block) in zip(counts, self.sites, strict=True))
-        return total / tokens
+        if self.caches is not None:
+            cached = self.caches.counts()
+            tokens = max(tokens, cached["tokens"])
+            total += cached["host_bytes"]
+        return total / tokens if tokens else None
 
     def remove(self) -> None:
         for hook in self.hooks:

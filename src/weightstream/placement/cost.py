@@ -118,6 +118,16 @@ class ModelCost:
         expert tensors."""
         return self.routed_bytes[block] if experts_only else self.block_bytes[block]
 
+    def cache_bytes(self, blocks: tuple[int, ...], slots: int) -> int:
+        """Device bytes of a GPU expert cache of `slots` slots for each of `blocks`: their pools (each
+        slot a row of every routed tensor), plus one work buffer per distinct set of routed tensor sizes
+        (the layers that share it run one after another)."""
+        if not blocks:
+            return 0
+        pools = sum(self.routed_bytes[i] // self.experts * slots for i in blocks)
+        work = {tuple(self.tensor_bytes[i][j] for j in self.routed_tensors[i]) for i in blocks}
+        return pools + sum(sum(sizes) for sizes in work)
+
     def uva_staging(self, block: int, experts_only: bool = False) -> int:
         """Host bytes of `block`'s zero-copy region (aligned layout): all of it, or its routed experts."""
         if not experts_only:
@@ -217,6 +227,8 @@ def predict(
     compressed: bool = False,
     n_landing: int | None = None,
     uva_experts: tuple[int, ...] = (),
+    expert_cache: tuple[int, ...] = (),
+    expert_slots: int = 0,
 ) -> Prediction:
     """Predict one forward of `tokens` tokens with blocks `streamed` (through `n_slots` slots; each
     streams its `part` largest tensors, 0: all of it) and `uva` (zero copy), the rest resident: the
@@ -241,12 +253,17 @@ def predict(
 
     Blocks of `uva_experts` (a subset of `uva`) read only their routed experts in place: their other
     GEMMs run at the resident rate first (attention and router come before the experts), then the
-    routed share crosses the link."""
+    routed share crosses the link. Blocks of `expert_cache` (a subset of `uva_experts`) copy their
+    routed experts into a work buffer before the GEMMs read them resident: the cached share
+    (`expert_slots` of the experts: routing taken as uniform, so a skewed one does better) from the
+    device, the rest over the link."""
     group_of = {block: g for g, block in enumerate(streamed)}
     extra = profile.block_extra_seconds(model.width, tokens)  # every block, wherever its weights are
     on_device = model.block_seconds(tokens, profile)  # each block's seconds, its weights resident
     uva_set = set(uva)
     experts_only = set(uva_experts)
+    cached = set(expert_cache)
+    miss = 1.0 - expert_slots / model.experts if cached else 1.0
     n = len(streamed)
     n_buffers = n_landing or (2 if n_slots == 1 and n > 1 else n_slots)
     # global group k = forward * n + group; where the group before k in its slot is k's own previous
@@ -333,6 +350,15 @@ def predict(
                             break  # not sent yet, or its landing buffer still waits for a decode
                         land_ahead(h)
                     issued_blobs += 1
+                if block in cached:  # dense GEMMs, the misses copied over the link, routed GEMMs resident
+                    (dense, m), *routed = model.reads(block, tokens)
+                    compute += profile.resident_seconds(dense, m)
+                    nbytes = sum(b for b, _ in routed) * miss
+                    compute = copy = max(compute, copy) + profile.copy_seconds(nbytes)
+                    link[forward] += profile.copy_seconds(nbytes)
+                    link_bytes[forward] += nbytes
+                    compute += sum(profile.resident_seconds(b, m) for b, m in routed) + extra
+                    continue
                 if block in experts_only:  # dense GEMMs on resident weights, then the routed reads
                     (dense, m), *routed = model.reads(block, tokens)
                     compute += profile.resident_seconds(dense, m)

@@ -3,6 +3,10 @@
 transformers 5 gives every mixture of experts it fuses (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V2/V3,
 GPT-OSS) a router module with `num_experts`, `top_k` and a `weight` of shape [experts, hidden], whose
 forward returns (logits, scores, indices): indices [tokens, top_k] are the experts each token reads.
+
+Their experts modules hold the fused expert tensors: parameters of shape [experts, ...] that the
+experts' forward, called as `experts(hidden_states, top_k_index, top_k_weights)`, reads row by row for
+the experts `top_k_index` names (`is_experts`).
 """
 
 from __future__ import annotations
@@ -21,3 +25,13 @@ def is_router(module: nn.Module) -> bool:
 def routers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """(qualified name, module) of every router in `model`, in module order."""
     return [(name, m) for name, m in model.named_modules() if is_router(m)]
+
+
+def is_experts(module: nn.Module) -> bool:
+    """Whether `module` holds fused routed experts as transformers 5 builds them: an int `num_experts`
+    and at least one parameter of its own whose first dimension is that many experts, 3-D ones among
+    them (biases are [experts, width])."""
+    experts = getattr(module, "num_experts", None)
+    own = [p for p in module._parameters.values() if p is not None]
+    return (isinstance(experts, int) and experts > 1
+            and any(p.dim() == 3 and p.shape[0] == experts for p in own))

@@ -55,6 +55,11 @@ class Placement:
     landing_bytes: int = 0  # compressed groups: the size of each GPU landing buffer; 0: groups stream raw
     landing_buffers: int = 0  # how many (0: raw; see n_landing)
     uva_experts: tuple[int, ...] = ()  # zero-copy blocks read in place for their routed experts only
+    # blocks of uva_experts whose routed experts go through a GPU expert cache (engine/expert_cache.py)
+    # of `expert_slots` slots each; `cache_bytes`: its pools plus the work buffers they share
+    expert_cache: tuple[int, ...] = ()
+    expert_slots: int = 0
+    cache_bytes: int = 0
 
     @property
     def compressed(self) -> bool:
@@ -75,8 +80,8 @@ class Placement:
 
     @property
     def gpu_bytes(self) -> int:
-        """GPU bytes of weights: resident tensors plus staging slots."""
-        return self.resident_bytes + self.staging_bytes
+        """GPU bytes of weights: resident tensors plus staging slots plus the expert cache."""
+        return self.resident_bytes + self.staging_bytes + self.cache_bytes
 
     @property
     def streamed_bytes(self) -> int:
@@ -207,6 +212,8 @@ def placement_of(
     compressed: bool = False,
     landing_buffers: int | None = None,
     uva_experts: tuple[int, ...] = (),
+    expert_cache: tuple[int, ...] = (),
+    expert_slots: int = 0,
 ) -> Placement | None:
     """The placement that streams blocks `streamed` through `n_slots` slots (each block's `part`
     largest tensors; 0: all of it) and reads blocks `uva` in place, with its predicted time; None when
@@ -214,8 +221,9 @@ def placement_of(
     `strategy` is recorded as the requested one. `compressed`: groups cross the link compressed (None
     where they would not shrink), through `landing_buffers` landing buffers (one of `landing_options`;
     None: the first). `uva_experts`: zero-copy blocks that read only their routed expert tensors in
-    place (`ModelCost.experts_apart`), the rest of each resident. Tests and tools use it to force a
-    placement."""
+    place (`ModelCost.experts_apart`), the rest of each resident. `expert_cache`: blocks of
+    `uva_experts` whose routed experts go through a GPU cache of `expert_slots` slots each
+    (`ModelCost.cache_bytes`). Tests and tools use it to force a placement."""
     if profile is None:
         from .probe import H200 as profile
     sizes = model.block_bytes
@@ -225,6 +233,10 @@ def placement_of(
     if not set(uva_experts) <= set(uva) or not all(model.experts_apart(i) for i in uva_experts):
         raise ArgumentError(f"uva_experts={uva_experts}: name zero-copy blocks (of uva={uva}) that hold "
                             "routed expert tensors beside other tensors")
+    if not set(expert_cache) <= set(uva_experts) or bool(expert_cache) != (expert_slots > 0) or \
+            (expert_cache and expert_slots > model.experts):
+        raise ArgumentError(f"expert_cache={expert_cache}, expert_slots={expert_slots}: name blocks of "
+                            f"uva_experts={uva_experts} and 1..{model.experts} slots for each, or neither")
     options = landing_options(n_slots, len(streamed))
     if landing_buffers is None:
         landing_buffers = options[0]
@@ -241,17 +253,19 @@ def placement_of(
         return None  # groups that would not shrink (they would stream raw)
     n_landing = landing_buffers if landing else 0
     staging = n_slots * slot + n_landing * landing
-    if budget is not None and resident + staging > budget:
+    cache = model.cache_bytes(expert_cache, expert_slots)
+    if budget is not None and resident + staging + cache > budget:
         return None
     if host_bytes is not None and host_need(model, streamed, uva, part, uva_experts) > host_bytes:
         return None
     prediction = predict(model, streamed, n_slots, uva, tokens, profile, part, bool(landing), n_landing,
-                         uva_experts)
+                         uva_experts, expert_cache, expert_slots)
     total = model.fixed_bytes + sum(sizes)
     return Placement(tuple(streamed), n_slots, slot, resident, total - resident, tuple(uva),
                      sum(model.uva_bytes(i, i in uva_experts) for i in uva), prediction, part,
                      requested_strategy=strategy, landing_bytes=landing, landing_buffers=n_landing,
-                     uva_experts=tuple(uva_experts))
+                     uva_experts=tuple(uva_experts), expert_cache=tuple(expert_cache),
+                     expert_slots=expert_slots, cache_bytes=cache)
 
 
 def plan(

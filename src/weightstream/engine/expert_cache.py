@@ -1,0 +1,325 @@
+"""The GPU expert cache: per mixture-of-experts layer, a static pool of expert slots on the device and
+an index table (expert -> slot, or -1: in host memory), so hot experts stop crossing the link.
+
+Why this shape: the experts' computation (transformers' grouped_mm, batched_mm or eager loop) reads its
+fused 3-D parameters [experts, ...] and only the rows of the experts the tokens are routed to. Before it
+runs, `gather` copies exactly those rows into a static work buffer of the parameter's own shape, from
+the pool where cached and from the pinned host arena (in place) where not; the parameter is a permanent
+view of that buffer. The computation then runs the very ops, on the very shapes and values, the resident
+model runs, so its outputs are bit-identical; the rows of experts not routed to are never read. Work
+buffers of one shape are shared by every cached layer (they run one after another on one stream).
+
+Every step is device work with static shapes (no host synchronization, no data-dependent sizes): the
+table update (`CacheTable.step`) is a few small tensor ops over the experts, the copies one launch per
+parameter of `expert_gather.copy_rows` (Triton) whose programs skip rows the table does not name. So a
+CUDA graph captures the whole of it, replays keep updating the cache, and addresses never change. Off
+CUDA the same copy runs in plain torch (`copy_rows_reference`), so the CPU backend runs the real table.
+
+Policy: while a layer's first `fill_calls` calls run, the cache holds the most frequently routed experts
+so far (least frequently used replaced); after that the most recently routed ones (least recently used
+replaced). Ties go to an expert already cached, then the more frequent, then the lower index. An expert
+never routed to is never cached. New experts are copied host -> slot, then slot -> work buffer.
+
+Under torch.compile the gather is the custom op `weightstream::expert_gather`, which takes the experts'
+inputs and returns copies of them (as the schedule ops of `ops.py` do), so every read of the parameters
+follows it; eagerly it is called straight from a forward pre-hook on the experts module.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..errors import ArgumentError, OffloadStateError
+from ..placement.entries import Entry, _set_tensor
+from ..placement.experts import is_experts
+from . import ops
+
+FILL_CALLS = 16  # calls of a layer during which the cache fills by frequency; least recently used after
+_ID_BITS = 10  # the expert index in the ordering key (up to 1024 experts)
+_FREQ_BITS = 24  # routing counts in the key, saturating
+_CACHED_SHIFT = _ID_BITS + _FREQ_BITS
+_PRIMARY_SHIFT = _CACHED_SHIFT + 1  # 28 bits left: calls or counts saturate at 2**28 - 1
+MAX_EXPERTS = 1 << _ID_BITS
+
+
+def copy_rows_reference(dst: torch.Tensor, src0: torch.Tensor, src1: torch.Tensor, dst_row: torch.Tensor,
+                        src_row: torch.Tensor, which: torch.Tensor) -> None:
+    """`expert_gather.copy_rows` in plain torch: `dst[dst_row[i]] = (src1 if which[i] else src0)
+    [src_row[i]]` for every i with dst_row[i] >= 0 (data-dependent indexing: synchronizes on CUDA)."""
+    take = dst_row >= 0
+    rows, src, use1 = dst_row[take], src_row[take], which[take].bool()
+    dst[rows[use1]] = src1[src[use1]]
+    dst[rows[~use1]] = src0[src[~use1]]
+
+
+def copy_rows(dst: torch.Tensor, src0: torch.Tensor, src1: torch.Tensor, dst_row: torch.Tensor,
+              src_row: torch.Tensor, which: torch.Tensor) -> None:
+    """The Triton kernel on CUDA, the torch reference elsewhere (same contract, same bytes)."""
+    if dst.is_cuda:
+        from .expert_gather import copy_rows as kernel
+
+        kernel(dst, src0, src1, dst_row, src_row, which)
+    else:
+        copy_rows_reference(dst, src0, src1, dst_row, src_row, which)
+
+
+@dataclass(frozen=True)
+class Step:
+    """What one call of a layer does, as [experts] device tensors: `routed` (reached by some token),
+    `hit` (routed and cached before the call), `admit` (copied host -> slot `slot[e]` in this call)
+    and the table after it (`slot`: slot or -1)."""
+
+    routed: torch.Tensor
+    hit: torch.Tensor
+    admit: torch.Tensor
+    slot: torch.Tensor
+
+
+class CacheTable:
+    """The index table of one layer's cache of `slots` experts out of `experts`, and the policy that
+    updates it (module docstring), as device tensors updated in place with static shapes.
+
+    `table[e]`: the slot holding expert e, or -1; `owner[s]`: the expert in slot s, or -1 (one entry
+    more, written by no slot: the target of masked scatters). `freq[e]`: calls that routed to e;
+    `last[e]`: the last such call (1-based); `calls`: calls so far. `counts`: calls, tokens, experts
+    reached, hits, rows read from host memory (each a row of every fused tensor of one expert)."""
+
+    def __init__(self, experts: int, slots: int, device: torch.device, fill_calls: int = FILL_CALLS) -> None:
+        if not 0 < slots <= experts or experts > MAX_EXPERTS:
+            raise ValueError(f"an expert cache holds 1..{experts} slots of at most {MAX_EXPERTS} experts, "
+                             f"not {slots} of {experts}")
+        self.experts, self.slots, self.fill_calls = experts, slots, fill_calls
+        long = dict(dtype=torch.int64, device=device)
+        self.table = torch.full((experts,), -1, **long)
+        self.owner = torch.full((slots + 1,), -1, **long)
+        self.freq = torch.zeros(experts, **long)
+        self.last = torch.zeros(experts, **long)
+        self.calls = torch.zeros((), **long)
+        self.counts = torch.zeros(5, **long)
+        self._ids = torch.arange(experts, **long)
+        self._slot_ids = torch.arange(slots, **long)
+        self._tie = (MAX_EXPERTS - 1) - self._ids  # lower index first
+
+    def routed(self, top_k_index: torch.Tensor) -> torch.Tensor:
+        """[experts] bool: the experts some token of `top_k_index` (any shape) is routed to (indices
+        past the last expert, as expert parallelism marks foreign ones, are ignored)."""
+        flat = top_k_index.reshape(-1).to(torch.int64)
+        hit = torch.zeros(self.experts + 1, dtype=torch.bool, device=flat.device)
+        hit.index_fill_(0, flat.clamp(0, self.experts), True)
+        return hit[: self.experts]
+
+    def step(self, routed: torch.Tensor, tokens: int) -> Step:
+        """Account one call that routes `tokens` tokens to the experts of `routed` and update the table:
+        the slots then hold the `slots` best experts by the policy's key. Returns what to copy."""
+        cap = (1 << (64 - _PRIMARY_SHIFT - 1)) - 1
+        self.calls.add_(1)
+        self.freq.add_(routed.to(torch.int64))
+        self.last.copy_(torch.where(routed, self.calls, self.last))
+        cached = self.table >= 0
+        primary = torch.where(self.calls <= self.fill_calls, self.freq, self.last).clamp(max=cap)
+        key = ((primary << _PRIMARY_SHIFT) | (cached.to(torch.int64) << _CACHED_SHIFT)
+               | (self.freq.clamp(max=(1 << _FREQ_BITS) - 1) << _ID_BITS) | self._tie)
+        key = torch.where(self.freq > 0, key, -1)
+        best = torch.topk(key, self.slots).indices
+        desired = torch.zeros_like(cached).index_put_((best,), key[best] >= 0)
+        evict, admit = cached & ~desired, desired & ~cached
+        owners = self.owner[: self.slots]
+        freed = (owners < 0) | evict[owners.clamp(min=0)]
+        # the k-th admitted expert (by index) goes to the k-th freed slot (by index)
+        by_rank = torch.full_like(self.owner, -1)
+        by_rank.scatter_(0, torch.where(freed, freed.cumsum(0) - 1, self.slots), self._slot_ids)
+        by_rank[self.slots] = -1
+        new_slot = by_rank[torch.where(admit, admit.cumsum(0) - 1, self.slots)]
+        hit = routed & cached
+        self.table.copy_(torch.where(admit, new_slot, torch.where(evict, -1, self.table)))
+        owners.copy_(torch.where(freed, -1, owners))
+        self.owner.scatter_(0, torch.where(admit, new_slot, self.slots), self._ids)
+        self.owner[self.slots] = -1
+        host_rows = admit.sum() + (routed & (self.table < 0)).sum()
+        self.counts.add_(torch.stack([torch.ones_like(self.calls), torch.full_like(self.calls, tokens),
+                                      routed.sum(), hit.sum(), host_rows]))
+        return Step(routed, hit, admit, self.table.clone())
+
+
+@dataclass
+class CachedTensor:
+    """One fused expert tensor of a cached layer, as rows of bytes [experts, row bytes]: `host` (its
+    pinned arena region, a zero-copy view on CUDA), `pool` ([slots, row bytes] on the device) and
+    `work` (the static buffer the parameter views)."""
+
+    entry: Entry
+    host: torch.Tensor
+    pool: torch.Tensor
+    work: torch.Tensor
+
+
+class ExpertCache:
+    """The cache of one experts module: its table and its tensors' pools; `gather` before each call."""
+
+    def __init__(self, module: nn.Module, tensors: list[CachedTensor], table: CacheTable) -> None:
+        self.module, self.tensors, self.table = module, tensors, table
+        self.row_bytes = sum(t.host.shape[1] for t in tensors)  # one expert's bytes in all its tensors
+        self.pool_bytes = sum(t.pool.numel() for t in tensors)
+
+    def gather(self, top_k_index: torch.Tensor) -> None:
+        """Update the table for this call's routing and copy each routed expert's rows into the work
+        buffers: new ones host -> slot first, then cached ones slot -> work, the rest host -> work."""
+        table = self.table
+        step = table.step(table.routed(top_k_index), top_k_index.reshape(-1, top_k_index.shape[-1]).shape[0])
+        ids, none = table._ids, torch.full_like(table._ids, -1)
+        admit_to = torch.where(step.admit, step.slot, none)
+        cached = step.slot >= 0
+        work_to = torch.where(step.routed, ids, none)
+        work_from = torch.where(cached, step.slot, ids)
+        for t in self.tensors:
+            copy_rows(t.pool, t.pool, t.host, admit_to, ids, torch.ones_like(step.admit))
+            copy_rows(t.work, t.pool, t.host, work_to, work_from, ~cached)
+
+
+_CACHES: weakref.WeakValueDictionary[int, ExpertCaches] = weakref.WeakValueDictionary()
+_IDS = itertools.count(1)
+
+
+class ExpertCaches:
+    """Every expert cache of one offloaded model: the pre-hooks that run them, their shared work
+    buffers, and what they counted. Built by `offload.finish` from the zero-copy groups of the cached
+    blocks; `remove()` takes the hooks off (the parameters then view the host arena again)."""
+
+    def __init__(self, layers: list[tuple[nn.Module, list[tuple[Entry, torch.Tensor]]]], slots: int,
+                 device: torch.device, fill_calls: int = FILL_CALLS) -> None:
+        """`layers`: (experts module, [(entry, its bytes in the host arena)]) of each cached layer."""
+        self.device = device
+        self.caches: list[ExpertCache] = []
+        self.work: dict[tuple, torch.Tensor] = {}  # (shapes, dtypes of a layer) -> flat work buffers
+        self._host_views: list[tuple[Entry, torch.Tensor]] = []
+        for module, tensors in layers:
+            experts = tensors[0][0].shape[0]
+            signature = tuple((e.shape, e.dtype) for e, _ in tensors)
+            if signature not in self.work:
+                self.work[signature] = [torch.zeros(e.nbytes, dtype=torch.uint8, device=device)
+                                        for e, _ in tensors]
+            cached = []
+            for (entry, host), work in zip(tensors, self.work[signature], strict=True):
+                row = entry.nbytes // experts
+                pool = torch.zeros(slots, row, dtype=torch.uint8, device=device)
+                cached.append(CachedTensor(entry, host.view(experts, row), pool, work.view(experts, row)))
+                self._host_views.append((entry, entry.tensor))
+                _set_tensor(entry, entry.view_of(work))
+            self.caches.append(ExpertCache(module, cached, CacheTable(experts, slots, device, fill_calls)))
+        self.cache_id = next(_IDS)
+        _CACHES[self.cache_id] = self
+        self.hooks = [c.module.register_forward_pre_hook(self._hook(i)) for i, c in enumerate(self.caches)]
+
+    @property
+    def pool_bytes(self) -> int:
+        """Device bytes of every slot pool."""
+        return sum(c.pool_bytes for c in self.caches)
+
+    @property
+    def work_bytes(self) -> int:
+        """Device bytes of the shared work buffers."""
+        return sum(w.numel() for bufs in self.work.values() for w in bufs)
+
+    def _hook(self, i: int):
+        cache = self.caches[i]
+
+        def gather(module: nn.Module, args: tuple):
+            hidden, top_k_index, *rest = args
+            tensors = [hidden, top_k_index, *(t for t in rest if isinstance(t, torch.Tensor))]
+            if not _traced(tensors):
+                ops._refuse_autograd(tensors)
+                cache.gather(top_k_index)
+                return None
+            out = iter(torch.ops.weightstream.expert_gather(tensors, self.cache_id, i))
+            return (next(out), next(out), *(next(out) if isinstance(t, torch.Tensor) else t for t in rest))
+        return gather
+
+    def counts(self) -> dict[str, float]:
+        """What the caches counted since they went on or were last `reset` (one synchronization): calls,
+        tokens (of one forward counted once: the most any layer saw), experts reached, hits, and bytes
+        read from host memory."""
+        rows = [c.table.counts.tolist() for c in self.caches]
+        return {"calls": sum(r[0] for r in rows), "tokens": max((r[1] for r in rows), default=0),
+                "reached": sum(r[2] for r in rows), "hits": sum(r[3] for r in rows),
+                "host_bytes": sum(r[4] * c.row_bytes for r, c in zip(rows, self.caches, strict=True))}
+
+    def hit_rate(self) -> float | None:
+        """Hits over experts reached since the last reset; None before any."""
+        counts = self.counts()
+        return counts["hits"] / counts["reached"] if counts["reached"] else None
+
+    def reset_counts(self) -> None:
+        """Start counting from zero (the tables and pools stay as they are)."""
+        for c in self.caches:
+            c.table.counts.zero_()
+
+    def remove(self) -> None:
+        """Take the hooks off and point each parameter back at its host bytes; forget this cache."""
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks = []
+        for entry, host_view in self._host_views:
+            _set_tensor(entry, host_view)
+        _CACHES.pop(self.cache_id, None)
+
+
+def install(prep, regions: list[torch.Tensor]) -> ExpertCaches | None:
+    """The expert caches of `prep.placement` (None without any), over the zero-copy groups' arena
+    regions `regions` (as the device reads them: zero-copy views on CUDA). Each cached block's routed
+    tensors are grouped by the experts module that holds them (`placement.experts.is_experts`)."""
+    p = prep.placement
+    if not p.expert_cache:
+        return None
+    layers: dict[int, tuple[nn.Module, list]] = {}
+    for block, group, region in zip(p.uva, prep.uva_groups, regions, strict=True):
+        if block not in p.expert_cache:
+            continue
+        for entry, sl in group:
+            module = entry.sites[0].module
+            if not (is_experts(module) and isinstance(entry.tensor, nn.Parameter) and entry.flat is None
+                    and len(entry.sites) == 1):
+                raise ArgumentError(
+                    f"{entry.name}: the GPU expert cache takes plain fused expert parameters of a "
+                    "transformers experts module (called as experts(hidden, top_k_index, top_k_weights)); "
+                    "place this block without expert_cache")
+            layers.setdefault(id(module), (module, []))[1].append(
+                (entry, region[sl.offset : sl.offset + sl.nbytes]))
+    return ExpertCaches(list(layers.values()), p.expert_slots, prep.device)
+
+
+def _traced(tensors: list[torch.Tensor]) -> bool:
+    """Whether this call is traced (torch.compile, export, fake tensors): then the gather goes through
+    the custom op, which the compiler cannot move."""
+    return (torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack() > 0
+            or any(type(t) is not torch.Tensor for t in tensors))
+
+
+def _caches(cache_id: int) -> ExpertCaches:
+    try:
+        return _CACHES[cache_id]
+    except KeyError:
+        raise OffloadStateError(
+            f"weightstream expert cache {cache_id} is gone (handle.restore() was called, or the offloaded "
+            "model was deleted): this compiled or captured forward still refers to it; compile or capture "
+            "the model again") from None
+
+
+@torch.library.custom_op("weightstream::expert_gather", mutates_args=())
+def expert_gather(tensors: list[torch.Tensor], cache_id: int, layer: int) -> list[torch.Tensor]:
+    """Before cached layer `layer`'s experts compute: update its table for the routing in tensors[1]
+    and fill the work buffers; returns a copy of each of the experts' input tensors."""
+    _caches(cache_id).caches[layer].gather(tensors[1])
+    return [t.clone() for t in tensors]
+
+
+@expert_gather.register_fake
+def _expert_gather_fake(tensors: list[torch.Tensor], cache_id: int, layer: int) -> list[torch.Tensor]:
+    return [torch.empty_like(t) for t in tensors]
+
+
+expert_gather.register_autograd(ops._unreachable_backward, setup_context=ops._no_autograd)
