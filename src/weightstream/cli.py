@@ -86,6 +86,10 @@ def main(argv: list[str] | None = None) -> int:
                            "disk")
     plan.add_argument("--steps", type=int, default=None,
                       help="denoising steps per generation (pipeline folders only; default 28)")
+    plan.add_argument("--speculate", default=None, metavar="{prompt-lookup,self,DRAFT_FOLDER}",
+                      help="plan for speculative decoding with this draft (as generate --speculate): its "
+                           "weights count in --gpu-memory (self: int4 copies of the blocks kept off the "
+                           "GPU); the output shows target resident, staging and draft bytes")
     plan.add_argument("--json", action="store_true", help="print JSON for tools")
     plan.add_argument("--compress", default="auto", choices=["auto", "true", "false"],
                       help="stream groups losslessly compressed, as offload(compress=...): true, "
@@ -127,7 +131,7 @@ def _run(args: argparse.Namespace) -> int:
                                 cpu_memory=args.cpu_memory)
                   if pipeline
                   else plan_report(args.model, config, args.tokens, dtype=args.dtype,
-                                   cpu_memory=args.cpu_memory))
+                                   cpu_memory=args.cpu_memory, speculate=args.speculate))
         text = format_pipeline_plan(report) if pipeline else format_report(report)
         print(json.dumps(report, indent=1) if args.json else text)
         return 0
@@ -183,8 +187,9 @@ def _check_plan_options(args: argparse.Namespace, pipeline: bool) -> None:
     if args.steps is not None and args.steps < 1:
         raise ArgumentError(f"--steps {args.steps}: a generation takes at least 1 denoising step")
     if pipeline:
-        _refuse_unused({"--tokens": args.tokens}, "a pipeline folder (model_index.json) is planned per "
-                                                  "component at its default tokens")
+        _refuse_unused({"--tokens": args.tokens, "--speculate": args.speculate},
+                       "a pipeline folder (model_index.json) is planned per component at its default tokens, "
+                       "and speculative decoding is for causal LMs")
     else:
         _refuse_unused({"--steps": args.steps},
                        "only a pipeline folder (model_index.json) has denoising steps")

@@ -30,7 +30,8 @@ def _stored_diffusers_dtype(model_name: str) -> torch.dtype | None:
 def plan_report(model_name: str, gpu_memory: int | str | OffloadConfig, tokens: int | None = None,
                 strategy: str = "auto",
                 prefill_tokens: int = 2048, dtype: str | torch.dtype | None = None,
-                cpu_memory: int | str | None = None, compress: bool | str = "auto") -> dict:
+                cpu_memory: int | str | None = None, compress: bool | str = "auto",
+                speculate: str | None = None) -> dict:
     """The placement of `model_name` (built-in shape, local checkpoint folder or diffusers model folder)
     under `gpu_memory`, optimized for `tokens` tokens per forward (None: 1 for a causal LM; for a
     diffusers model what it sees at its pipeline's default generation, `pipeline.denoiser_tokens`:
@@ -42,7 +43,12 @@ def plan_report(model_name: str, gpu_memory: int | str | OffloadConfig, tokens: 
     cpu_memory: host memory for the offloaded weights, as for `from_pretrained` (default: no limit).
     With the same arguments `from_pretrained` gets the same placement. compress: as for `offload` (wire
     sizes predicted from Hugging Face-initialized weights' ratio). `gpu_memory` may be an
-    `OffloadConfig` holding strategy and compress (and the device whose profile plans)."""
+    `OffloadConfig` holding strategy and compress (and the device whose profile plans).
+
+    speculate: a draft for speculative decoding, counted in the same budget (`speculative.budget`):
+    "self" (int4 copies, groups of 128, of the blocks kept off the GPU), "prompt-lookup" (no bytes) or
+    the folder of a draft checkpoint (its weights in `dtype`); the placement is the target's share and
+    the result's "speculative" entry the split: target resident, staging and draft bytes."""
     config = config_of(gpu_memory, strategy=strategy, compress=compress)
     model = meta_model(model_name, dtype if dtype is not None else _stored_diffusers_dtype(model_name))
     diffusers_model = type(model).__module__.startswith("diffusers")
@@ -55,6 +61,16 @@ def plan_report(model_name: str, gpu_memory: int | str | OffloadConfig, tokens: 
     prep = prepare(model, config.replace(tokens=tokens, profile=profile), allow_meta=True,
                    host_bytes=host_bytes)
     p, cost = prep.placement, prep.cost
+    split = None
+    if speculate is not None:
+        from .speculative.budget import split_placement
+
+        draft = (speculate if speculate in ("self", "prompt-lookup")
+                 else meta_model(speculate, next(model.parameters()).dtype))
+        split = split_placement(model, cost, config.gpu_memory, draft, tokens=tokens, profile=profile,
+                                strategy=config.strategy, compress=config.compress, host_bytes=host_bytes,
+                                blocks=config.blocks)
+        p = split.placement
     # a causal LM: decode and prefill; any other model (a diffusers denoiser): the tokens planned for
     phases = ((("decode", 1), (f"prefill_{prefill_tokens}", prefill_tokens)) if not diffusers_model
               else ((f"forward_{tokens}", tokens),))
@@ -97,6 +113,8 @@ def plan_report(model_name: str, gpu_memory: int | str | OffloadConfig, tokens: 
                           "compute_ms": round(v.compute_ms, 2), "link_ms": round(v.link_ms, 2),
                           "link_bytes": round(v.link_bytes)}
                       for k, v in predictions.items()},
+        # speculative decoding: the budget split between the target's weights and the draft's
+        "speculative": split.as_dict() if split is not None else None,
     }
 
 
@@ -140,6 +158,15 @@ def format_report(r: dict) -> str:
         f"GPU memory for weights: {size(r['gpu_bytes'])} (placement: {r['placement_kind']}, asked for "
         f"{r['requested_strategy']})",
     ]
+    spec = r.get("speculative")
+    if spec is not None:
+        lines.append(
+            f"budget split with the {spec['draft']} draft: target resident "
+            f"{size(spec['target_resident_bytes'])} + staging {size(spec['staging_bytes'])} + draft "
+            f"{size(spec['draft_bytes'])}"
+            + (f" (low-bit copies of {spec['drafted_blocks']} blocks)" if spec["drafted_blocks"] else "")
+            + f" = {size(spec['total_bytes'])} of {size(spec['gpu_memory'])} (the target planned with "
+            f"{size(spec['weights_budget'])}; KV caches not counted)")
     for phase, p in r["predicted"].items():
         lines.append(f"predicted {phase}: {p['ms']:.1f} ms per forward in a loop ({p['first_ms']:.1f} ms "
                      f"the first), {p['bound']}-bound (compute {p['compute_ms']:.1f} ms, link "

@@ -49,11 +49,15 @@ class DraftModel:
         src, dst = path_moves(path, start, len(path) - 1)
         self.forward.cache.move(src, dst)
 
+    def weight_bytes(self) -> int:
+        """Bytes of the draft model's parameters and buffers (a tensor shared by two modules once)."""
+        seen = {id(t): t for t in (*self.model.parameters(), *self.model.buffers())}
+        return sum(t.numel() * t.element_size() for t in seen.values())
+
     def device_bytes(self) -> int:
         """Bytes the draft holds on its device: the model's weights and its KV cache so far."""
-        seen = {id(t): t for t in (*self.model.parameters(), *self.model.buffers())}
         cache = self.forward.cache.nbytes() if self.forward is not None else 0
-        return sum(t.numel() * t.element_size() for t in seen.values()) + cache
+        return self.weight_bytes() + cache
 
 
 def grow_beam(forward: TreeForward, logits: torch.Tensor | None, context: torch.Tensor,

@@ -87,18 +87,22 @@ class SelfDraft:
             return 0
         guards = _guards(model)
         modules = dict(model.named_modules())
-        total = 0
-        for name in self.block_names(model):
-            seen = set()
-            for tensor, parameter in _own_tensors(modules[name]):
-                if id(tensor) in seen:
-                    continue
-                seen.add(id(tensor))
-                if parameter and tensor.dim() >= 2:
-                    total += quantized_bytes(tensor.shape, self.bits, self.group)
-                elif _off_gpu(guards, tensor):
-                    total += tensor.numel() * tensor.element_size()
-        return total
+        return sum(_block_bytes(modules[name], self.bits, self.group, lambda t: _off_gpu(guards, t))
+                   for name in self.block_names(model))
+
+    def planned_bytes(self, model: nn.Module, off_gpu: Sequence[str],
+                      blocks: Sequence[str] | None = None) -> int:
+        """Bytes the draft would take on the device were `model` (resident, or built on the meta device:
+        shapes are enough) offloaded with the blocks named `off_gpu` kept off the GPU: the low-bit copies
+        of the drafted blocks (`blocks` of this SelfDraft, else `off_gpu`) and copies of every other
+        tensor of those of them off the GPU (an upper bound where only part of a block leaves the GPU).
+        blocks: the block lists the offload streams (as `offload(blocks=...)`; None: found)."""
+        known = {b.name: b.module for b in find_blocks(model, list(blocks) if blocks is not None else None)}
+        off = set(off_gpu)
+        drafted = list(self.blocks) if self.blocks is not None else [n for n in known if n in off]
+        modules = dict(model.named_modules())
+        return sum(_block_bytes(known.get(name) or modules[name], self.bits, self.group,
+                                lambda t, off_block=name in off: off_block) for name in drafted)
 
     def device_bytes(self) -> int:
         """Bytes the built draft holds on the device (its KV cache is the model's: 0 bytes of its own)."""
@@ -180,6 +184,22 @@ def _own_tensors(module: nn.Module):
     for sub in nn.Module.modules(module):
         yield from ((p, True) for p in sub._parameters.values() if p is not None)
         yield from ((b, False) for b in sub._buffers.values() if b is not None)
+
+
+def _block_bytes(block: nn.Module, bits: int, group: int, off_gpu) -> int:
+    """Bytes drafting `block` stores on the device: a low-bit copy of each of its parameters of two or
+    more dimensions, and a copy of each other tensor for which `off_gpu(tensor)` holds (a tensor shared
+    within the block counted once)."""
+    seen, total = set(), 0
+    for tensor, parameter in _own_tensors(block):
+        if id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        if parameter and tensor.dim() >= 2:
+            total += quantized_bytes(tensor.shape, bits, group)
+        elif off_gpu(tensor):
+            total += tensor.numel() * tensor.element_size()
+    return total
 
 
 def _shell(module: nn.Module) -> nn.Module:
