@@ -13,7 +13,8 @@ import torch
 from conftest import weight_bytes
 
 import weightstream as ws
-from weightstream.bench.speculative_run import offload_with_draft, passages, smollm2_folder
+from weightstream.bench.speculative_run import passages, smollm2_folder
+from weightstream.speculative import offload_with_draft
 
 pytestmark = pytest.mark.slow
 
@@ -49,7 +50,7 @@ def test_greedy_speculative_equals_plain_greedy_on_real_prompts(smollm2):
              for i in ids]
     for draft in ("prompt-lookup", ws.SelfDraft(bits=4, group=128), ws.SelfDraft(bits=8, group=128)):
         self_draft = draft if isinstance(draft, ws.SelfDraft) else None
-        weights = offload_with_draft(offloaded, budget, self_draft, "cpu", strategy="stream")
+        split = offload_with_draft(offloaded, budget, draft, device="cpu", strategy="stream")
         accepted = []
         for i, want in zip(ids, wants, strict=True):
             out = ws.generate(offloaded, i, 24, draft=draft, width=4, depth=6)
@@ -58,11 +59,12 @@ def test_greedy_speculative_equals_plain_greedy_on_real_prompts(smollm2):
         handle = ws.handle_of(offloaded)
         blocks = len(handle.streamed_blocks) + len(handle.uva_blocks)
         on_device = handle.stats.resident_bytes + handle.stats.staging_bytes
+        assert on_device + out.stats.draft_bytes <= budget
         scheme = (f"symmetric, weights of 2+ dimensions of the {blocks} of {model.config.num_hidden_layers} "
                   "blocks off the GPU" if self_draft else "n-grams of the context")
         print(f"SmolLM2-135M-Instruct fp32, draft {out.stats.draft} ({scheme}): weights on the device "
               f"{on_device / 2**20:.1f} MiB + draft {out.stats.draft_bytes / 2**20:.1f} MiB within "
-              f"{budget / 2**20:.1f} MiB (gpu_memory={weights}), tree 4x6: "
+              f"{budget / 2**20:.1f} MiB (gpu_memory={split.weights_budget}), tree 4x6: "
               f"{sum(accepted) / len(accepted):.2f} drafted tokens accepted per pass "
               f"(mean of {len(accepted)} prompts)")
         handle.restore()

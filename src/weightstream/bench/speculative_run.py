@@ -14,11 +14,11 @@ against plain decoding of an offloaded causal LM.
    and the model's self-draft (`SelfDraft`) with int4 and with int8 copies, symmetric, groups of 128
    (off a 4-bit GGUF's own grid), of the blocks it keeps off the GPU; for a self-draft the model is
    offloaded so that its weights on the GPU and the draft's copies together take the budget
-   (`offload_with_draft`). `exact`: every prompt's tokens equal the plain run's; the setup holds the
-   scheme, the draft's bytes, the mean drafted tokens accepted per pass, the share of prompts whose
-   tokens are identical and, per prompt, the first new token that differs (None: none; in low
-   precision a near-tie can flip where the verify forward's GEMM shapes differ from a one-token
-   forward's).
+   (`speculative.offload_with_draft`, which plans the split). `exact`: every prompt's tokens equal the
+   plain run's; the setup holds the scheme, the split, the draft's bytes, the mean drafted tokens
+   accepted per pass, the share of prompts whose tokens are identical and, per prompt, the first new
+   token that differs (None: none; in low precision a near-tie can flip where the verify forward's
+   GEMM shapes differ from a one-token forward's).
 3. `ws-self-draft` rows (phase `draft-step-W`, W = 1 and the tree's width): one step of the int4 g128
    self-draft of the model offloaded at each budget (its copies beside the budget here: a step's cost
    does not depend on where the budget line is drawn), the forward the draft runs per tree level; it
@@ -38,8 +38,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..errors import BudgetError
 from ..offload import handle_of, offload
-from ..speculative import SelfDraft, generate
+from ..speculative import SelfDraft, generate, offload_with_draft
 from ..speculative.cache import TreeCache
 from ..speculative.tree import TreeShape, causal_mask, tree_from_chains, tree_mask, tree_positions
 from ..speculative.verify import TreeForward
@@ -100,25 +101,6 @@ def passages(count: int, words: int = 60) -> list[str]:
                 found.append(" ".join(paragraph.split()[:words]))
                 break
     return found[:count]
-
-
-def offload_with_draft(model: nn.Module, budget: int, draft: SelfDraft | None, device, **options) -> int:
-    """Offload `model` so that its weights on the device (resident and staging) and the low-bit copies
-    `draft` would build take at most `budget` bytes together (the copies grow as blocks leave the GPU,
-    so the weights' share is lowered until both fit); return the gpu_memory the weights got (bytes).
-    ValueError where even every block off the GPU leaves no room for the draft."""
-    weights, held = budget, None
-    while True:
-        stats = offload(model, gpu_memory=weights, device=device, **options).stats
-        on_device = stats.resident_bytes + stats.staging_bytes
-        over = on_device + (draft.needed_bytes(model) if draft is not None else 0) - budget
-        if over <= 0:
-            return weights
-        handle_of(model).restore()
-        if on_device == held:  # lowering the weights' share frees nothing more
-            raise ValueError(f"the {draft.name} draft does not fit beside the model's weights in {budget} "
-                             f"bytes ({over} bytes over with every block it can take off the GPU)")
-        weights, held = weights - over, on_device
 
 
 def verify_rows(model: nn.Module, budget: int, trees: list[int], modes: list[str], context: int, reps: int,
@@ -187,9 +169,8 @@ def generation_rows(model: nn.Module, tokenizer, budget: int, new_tokens: int, c
     for method, kind, scheme in runs:
         draft = SelfDraft(bits=kind, group=SELF_GROUP) if isinstance(kind, int) else kind
         try:
-            own = draft if isinstance(draft, SelfDraft) else None
-            weights = offload_with_draft(model, budget, own, device)
-        except ValueError as err:  # recorded, the run goes on
+            split = offload_with_draft(model, budget, draft, device=device)
+        except BudgetError as err:  # recorded, the run goes on
             rows.append(ResultRow(method, f"generate-{new_tokens}", budget, "eager", error=first_line(err),
                                   reference="ws-plain (greedy, one token per pass)", setup={"draft": scheme}))
             log(f"{method}: {rows[-1].error}")
@@ -214,7 +195,8 @@ def generation_rows(model: nn.Module, tokenizer, budget: int, new_tokens: int, c
                         exact=None if draft is None else all(same),
                         reference="ws-plain (greedy, one token per pass)",
                         setup={"draft": scheme, "tree": f"{width}x{depth}", "prompts": len(prompts),
-                               "weights_gpu_memory": weights, "draft_bytes": out.stats.draft_bytes,
+                               "weights_gpu_memory": split.weights_budget, "split": split.as_dict(),
+                               "draft_bytes": out.stats.draft_bytes,
                                "accepted_per_pass": statistics.mean(accepted), "stats": asdict(stats),
                                "identical_share": sum(same) / len(same) if same else None,
                                "first_difference": first})

@@ -15,10 +15,12 @@ about the same for one token as for a tree of many, so each accepted token saves
     self_draft.py     SelfDraft: the model's own resident modules plus low-bit copies of its off-GPU blocks
     shape_choice.py   the tree shape of the highest predicted tokens/ms under a stated acceptance model
     shape_costs.py    verify and draft-step ms from the placement's cost model; width="auto"
+    budget.py         one gpu_memory split between the target's weights, staging and the draft's weights
     checks.py         what generate refuses, with the change that fixes it
     loop.py           generate(), Generation, GenerationStats
 """
 
+from .budget import DraftSplit, offload_with_draft, plan_split
 from .draft import Draft, NoDraft
 from .draft_model import DraftModel
 from .loop import Generation, GenerationStats, generate
@@ -26,5 +28,5 @@ from .prompt_lookup import PromptLookup
 from .self_draft import SelfDraft
 from .tree import Tree, TreeShape
 
-__all__ = ["Draft", "DraftModel", "Generation", "GenerationStats", "NoDraft", "PromptLookup", "SelfDraft",
-           "Tree", "TreeShape", "generate"]
+__all__ = ["Draft", "DraftModel", "DraftSplit", "Generation", "GenerationStats", "NoDraft", "PromptLookup",
+           "SelfDraft", "Tree", "TreeShape", "generate", "offload_with_draft", "plan_split"]
