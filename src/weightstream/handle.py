@@ -181,7 +181,7 @@ class OffloadHandle:
                            for enc, size in zip(self.engine.wire, self.engine.group_bytes, strict=True)),
             wire_raw_bytes=sum(self.engine.group_bytes),
             expert_bytes_per_token=self._experts.bytes_per_token() if self._experts else None,
-            cache_bytes=p.cache_bytes,
+            cache_bytes=self.expert_caches.nbytes if self.expert_caches else 0,
             expert_hit_rate=self.expert_caches.hit_rate() if self.expert_caches else None,
         )
 
@@ -204,7 +204,8 @@ class OffloadHandle:
                 for entry, _ in group:
                     if experts and len(entry.shape) == 3 and entry.shape[0] == experts:
                         into[entry.owner] += entry.nbytes
-        cached = set(self.placement.expert_cache)  # their caches count what they read
+        # blocks behind a cache: their caches count what they read
+        cached = set(self.expert_caches.blocks) if self.expert_caches else set()
         blocks = [RoutedBlock(m, experts, in_place[i], streamed[i]) for i, m in enumerate(self._blocks)
                   if (in_place[i] or streamed[i]) and i not in cached]
         if self.expert_caches:

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..errors import ArgumentError, OffloadStateError
+from ..errors import OffloadStateError
 from ..placement.entries import Entry, _set_tensor
 from ..placement.experts import is_experts
 from . import ops
@@ -194,6 +194,7 @@ class ExpertCaches:
                  device: torch.device, fill_calls: int = FILL_CALLS) -> None:
         """`layers`: (experts module, [(entry, its bytes in the host arena)]) of each cached layer."""
         self.device = device
+        self.blocks: tuple[int, ...] = ()  # the model's blocks they cache (set by `install`)
         self.caches: list[ExpertCache] = []
         self.work: dict[tuple, torch.Tensor] = {}  # (shapes, dtypes of a layer) -> flat work buffers
         self._host_views: list[tuple[Entry, torch.Tensor]] = []
@@ -224,6 +225,11 @@ class ExpertCaches:
     def work_bytes(self) -> int:
         """Device bytes of the shared work buffers."""
         return sum(w.numel() for bufs in self.work.values() for w in bufs)
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes of the caches: pools plus work buffers."""
+        return self.pool_bytes + self.work_bytes
 
     def _hook(self, i: int):
         cache = self.caches[i]
@@ -271,25 +277,31 @@ class ExpertCaches:
 def install(prep, regions: list[torch.Tensor]) -> ExpertCaches | None:
     """The expert caches of `prep.placement` (None without any), over the zero-copy groups' arena
     regions `regions` (as the device reads them: zero-copy views on CUDA). Each cached block's routed
-    tensors are grouped by the experts module that holds them (`placement.experts.is_experts`)."""
+    tensors are grouped by the experts module that holds them; a block whose routed tensors are not all
+    plain parameters of such a module (`placement.experts.is_experts`: called as
+    experts(hidden, top_k_index, top_k_weights)) keeps reading them in place, uncached."""
     p = prep.placement
-    if not p.expert_cache:
-        return None
-    layers: dict[int, tuple[nn.Module, list]] = {}
+    layers: list[tuple[nn.Module, list]] = []
+    blocks = []
     for block, group, region in zip(p.uva, prep.uva_groups, regions, strict=True):
         if block not in p.expert_cache:
             continue
+        modules: dict[int, tuple[nn.Module, list]] = {}
         for entry, sl in group:
             module = entry.sites[0].module
             if not (is_experts(module) and isinstance(entry.tensor, nn.Parameter) and entry.flat is None
-                    and len(entry.sites) == 1):
-                raise ArgumentError(
-                    f"{entry.name}: the GPU expert cache takes plain fused expert parameters of a "
-                    "transformers experts module (called as experts(hidden, top_k_index, top_k_weights)); "
-                    "place this block without expert_cache")
-            layers.setdefault(id(module), (module, []))[1].append(
+                    and len(entry.sites) == 1 and entry.shape[0] == module.num_experts):
+                break
+            modules.setdefault(id(module), (module, []))[1].append(
                 (entry, region[sl.offset : sl.offset + sl.nbytes]))
-    return ExpertCaches(list(layers.values()), p.expert_slots, prep.device)
+        else:
+            layers.extend(modules.values())
+            blocks.append(block)
+    if not layers:
+        return None
+    caches = ExpertCaches(layers, p.expert_slots, prep.device)
+    caches.blocks = tuple(blocks)
+    return caches
 
 
 def _traced(tensors: list[torch.Tensor]) -> bool:

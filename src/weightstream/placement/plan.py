@@ -198,6 +198,22 @@ def _expert_candidates(n: int, strategy: str, max_slots: int, apart: tuple[int, 
                 yield streamed, in_place, n_slots, 0, experts
 
 
+def _with_cache(model: ModelCost, p: Placement, budget: int, tokens: int, profile: MachineProfile,
+                host_bytes: int | None, strategy: str) -> Placement | None:
+    """Placement `p` with a GPU expert cache on each of its blocks read for their plain routed experts,
+    as many slots each (below every expert) as the budget `p` leaves holds beside the shared work
+    buffers; None where not one slot fits."""
+    blocks = tuple(b for b in p.uva_experts if not (model.quant_bytes and model.quant_bytes[b]))
+    if not blocks:
+        return None
+    per_slot = model.cache_bytes(blocks, 1) - model.cache_bytes(blocks, 0)
+    slots = min(model.experts - 1, (budget - p.gpu_bytes - model.cache_bytes(blocks, 0)) // per_slot)
+    if slots < 1:
+        return None
+    return placement_of(model, p.streamed, p.n_slots, p.uva, p.part, tokens, profile, budget, host_bytes,
+                        strategy, uva_experts=p.uva_experts, expert_cache=blocks, expert_slots=slots)
+
+
 def placement_of(
     model: ModelCost,
     streamed: tuple[int, ...],
@@ -278,6 +294,7 @@ def plan(
     host_bytes: int | None = None,
     compress: bool | str = "auto",
     experts_apart: bool = True,
+    expert_cache: bool = True,
 ) -> Placement:
     """The fastest placement of `model` whose weights fit in `budget` bytes of GPU memory.
 
@@ -293,6 +310,8 @@ def plan(
         (without it groups stream raw).
     experts_apart: let zero-copy blocks of a mixture of experts read only their routed experts in
         place, the rest of them resident (False: zero-copy blocks are read in place whole).
+    expert_cache: let such blocks put a GPU expert cache in the budget they leave (`_with_cache`); the
+        cost model keeps it only where it predicts faster.
     """
     if strategy not in STRATEGIES:
         raise ArgumentError(f"strategy={strategy!r}: choose one of {', '.join(STRATEGIES)}")
@@ -326,6 +345,10 @@ def plan(
                                          host_bytes, strategy, compressed, buffers, uva_experts)
                 if candidate is not None and better(candidate, best):
                     best = candidate
+                if candidate is not None and expert_cache and uva_experts and not compressed:
+                    cached = _with_cache(model, candidate, budget, tokens, profile, host_bytes, strategy)
+                    if cached is not None and better(cached, best):
+                        best = cached
     if best is not None:
         return best
     if host_bytes is not None:
