@@ -256,7 +256,7 @@ def predict(
     routed share crosses the link. Blocks of `expert_cache` (a subset of `uva_experts`) copy their
     routed experts into a work buffer before the GEMMs read them resident: the cached share
     (`expert_slots` of the experts: routing taken as uniform, so a skewed one does better) from the
-    device, the rest over the link."""
+    device, the rest read in place once (at the one-token zero-copy rate, whatever the tokens)."""
     group_of = {block: g for g, block in enumerate(streamed)}
     extra = profile.block_extra_seconds(model.width, tokens)  # every block, wherever its weights are
     on_device = model.block_seconds(tokens, profile)  # each block's seconds, its weights resident
@@ -354,8 +354,10 @@ def predict(
                     (dense, m), *routed = model.reads(block, tokens)
                     compute += profile.resident_seconds(dense, m)
                     nbytes = sum(b for b, _ in routed) * miss
-                    compute = copy = max(compute, copy) + profile.copy_seconds(nbytes)
-                    link[forward] += profile.copy_seconds(nbytes)
+                    # the gather kernel reads each missed byte in place once, as a one-token GEMM does
+                    seconds = profile.uva_seconds(nbytes, 1)
+                    compute = copy = max(compute, copy) + seconds
+                    link[forward] += seconds
                     link_bytes[forward] += nbytes
                     compute += sum(profile.resident_seconds(b, m) for b, m in routed) + extra
                     continue
