@@ -198,8 +198,9 @@ def _too_small(drafter, gpu_memory: int, need: int, drafted: int, least: int) ->
     total = least + need
     what = (f"low-bit copies of the {drafted} blocks kept off the GPU" if isinstance(drafter, SelfDraft)
             else "the draft model's weights")
-    fix = ("SelfDraft(bits=4), " if isinstance(drafter, SelfDraft) and drafter.bits == 8
-           else "a smaller draft model, draft='self', " if isinstance(drafter, DraftModel) else "")
+    fixes = (["SelfDraft(bits=4)"] if isinstance(drafter, SelfDraft) and drafter.bits == 8
+             else ["a smaller draft model", "draft='self'"] if isinstance(drafter, DraftModel) else [])
+    fix = ", ".join(fixes) + (" or " if fixes else "")
     return BudgetError(
         f"gpu_memory={format_size(gpu_memory)} cannot hold the {drafter.name} draft beside the model's "
         f"weights: the draft needs {format_size(need)} ({what}) and the model at least "
