@@ -16,6 +16,8 @@ from test_self_draft import off_gpu_blocks
 
 import weightstream as ws
 from weightstream.errors import ArgumentError
+from weightstream.speculative import DraftModel
+from weightstream.speculative.checks import max_depth
 from weightstream.speculative.shape_choice import (
     MAX_TREE_TOKENS,
     candidates,
@@ -24,6 +26,7 @@ from weightstream.speculative.shape_choice import (
     expected_accepted,
     objective,
 )
+from weightstream.speculative.shape_costs import auto_shape
 
 
 @settings(max_examples=200, deadline=None)
@@ -93,7 +96,7 @@ def test_an_automatic_shape_gives_plain_greedy_and_the_resident_run(draft):
     model = offloaded(copy.deepcopy(ref))
     ids = repetitive_prompt(3)
     auto = ws.generate(model, ids, 16, draft=draft, width="auto", depth="auto", eos_token_id=[],
-                       output_logits=True)
+                       output_logits=True, rechoose_after=None)
     stats = auto.stats
     assert stats.predicted_tokens_per_second is not None and stats.predicted_tokens_per_second > 0
     assert "predicted" in str(stats)
@@ -110,3 +113,30 @@ def test_one_dimension_auto_keeps_the_other_as_given():
     model = make_model("llama")
     stats = ws.generate(model, repetitive_prompt(2), 6, width=3, depth="auto", eos_token_id=[]).stats
     assert stats.width == 3 and 1 <= stats.depth <= 12
+
+
+def test_the_shape_is_chosen_again_from_the_measured_acceptance_and_stays_exact():
+    ref = make_model("llama")
+    model = offloaded(copy.deepcopy(ref))
+    draft = make_model("llama", seed=1)  # accepts almost nothing: far below the prior of a draft model
+    ids = repetitive_prompt(3)
+    out = ws.generate(model, ids, 12, draft=draft, width=2, depth="auto", eos_token_id=[],
+                      rechoose_after=2)
+    stats = out.stats
+    assert torch.equal(out.tokens, plain_greedy(ref, ids, 12))
+    auto = auto_shape(model, DraftModel(draft), 2, "auto", max_depth(model.config, ids.shape[1], 12),
+                      False)
+    first = auto.choose()
+    assert stats.shapes[0][:2] == (first.width, first.depth) and stats.shapes[0][2] == 2
+    assert stats.measured_acceptance == estimate_acceptance(stats.accepted[:2], first.width, first.depth,
+                                                            auto.prior)
+    again = auto.choose(stats.measured_acceptance)
+    assert len(stats.shapes) == 2 and stats.shapes[1][:2] == (again.width, again.depth) == (stats.width,
+                                                                                           stats.depth)
+    assert again.tokens < first.tokens and sum(n for _, _, n in stats.shapes) == stats.passes
+    assert "chosen again after 2 passes" in str(stats)
+    kept = ws.generate(model, ids, 4, draft=draft, width=2, depth="auto", eos_token_id=[],
+                       rechoose_after=None).stats
+    assert kept.shapes == ((first.width, first.depth, kept.passes),) and kept.measured_acceptance is None
+    with pytest.raises(ArgumentError, match="rechoose_after"):
+        ws.generate(model, ids, 4, width="auto", rechoose_after=0)

@@ -34,6 +34,7 @@ from .checks import (
 from .draft import resolve_draft
 from .draft_model import DraftModel
 from .self_draft import SelfDraft
+from .shape_choice import estimate_acceptance
 from .shape_costs import auto_shape
 from .tree import TreeShape, path_moves, tree_mask, tree_positions
 from .verify import TreeForward
@@ -58,10 +59,15 @@ class GenerationStats:
     # width="auto" / depth="auto": the decode tokens/s the cost model predicted for the chosen shape
     # (`shape_choice.py`), beside the measured `decode_tokens_per_second`; None for a shape given
     predicted_tokens_per_second: float | None = None
+    # (width, depth, passes) of each shape run, in order: two where an automatic shape was chosen again
+    # from the measured acceptance and came out different
+    shapes: tuple[tuple[int, int, int], ...] = ()
+    # the per-level acceptance measured over the first passes that the shape was chosen again with
+    measured_acceptance: float | None = None
 
     @property
     def tree_tokens(self) -> int:
-        """Tokens of each verify forward."""
+        """Tokens of each verify forward (of the last shape, where the shape was chosen again)."""
         return 1 + self.width * self.depth
 
     @property
@@ -96,7 +102,11 @@ class GenerationStats:
                                               if self.draft_bytes else "")
                 + (f"; shape chosen by the cost model, predicted {self.predicted_tokens_per_second:.2f} "
                    f"decode tokens/s, measured {self.decode_tokens_per_second:.2f}"
-                   if self.predicted_tokens_per_second is not None else ""))
+                   if self.predicted_tokens_per_second is not None else "")
+                + (f"; chosen again after {self.shapes[0][2]} passes from the measured acceptance "
+                   f"{self.measured_acceptance:.2f}: "
+                   + " then ".join(f"{w}x{d} ({n} passes)" for w, d, n in self.shapes)
+                   if len(self.shapes) > 1 else ""))
 
 
 @dataclass(frozen=True)
@@ -145,6 +155,7 @@ def generate(
     cache_memory: int | str | None = None,
     output_logits: bool = False,
     progress: bool = False,
+    rechoose_after: int | None = 8,
 ) -> Generation:
     """Generate up to `max_new_tokens` tokens after `input_ids` (1, prompt) or (prompt,) with speculative
     decoding; `model` is a causal LM, offloaded with `ws.offload` or resident.
@@ -156,7 +167,9 @@ def generate(
     width, depth: the tree of every verify pass, `1 + width * depth` tokens (width 1: a chain); "auto"
     for either: chosen once, before the prefill, to maximise the decode tokens/s the placement's cost
     model predicts with the draft's prior acceptance (`shape_choice.py`; widths 1..8, depths 1..12,
-    trees of at most 128 tokens), reported in `stats.predicted_tokens_per_second`.
+    trees of at most 128 tokens), reported in `stats.predicted_tokens_per_second`; chosen once more
+    after `rechoose_after` passes (None: never) from the acceptance those passes measured, kept for the
+    rest of the call (a compiled forward compiles once more where the shape changes; `stats.shapes`).
     do_sample: rejection sampling from the model's distribution under temperature / top_k / top_p (as
     transformers' generate), drawn from `generator` (a CPU torch.Generator; seeded runs repeat); else
     greedy: the tokens equal the model's own greedy decoding wherever a forward over the tree ranks the
@@ -186,23 +199,31 @@ def generate(
     drafter = resolve_draft(draft, compile)
     check_tree_argument("width", width)
     check_tree_argument("depth", depth)
-    choice = None
+    if rechoose_after is not None and (not isinstance(rechoose_after, int) or isinstance(rechoose_after, bool)
+                                       or rechoose_after < 1):
+        raise ArgumentError(f"rechoose_after={rechoose_after!r}: give a number of passes of at least 1, or "
+                            "None to keep the first automatic shape")
+    auto = choice = None
     if draft is not None:
         TreeShape(1 if width == "auto" else width, 0 if depth == "auto" else depth)  # a bad integer: now
-        choice = auto_shape(model, drafter, width, depth,
-                            max_depth(model.config, ids.shape[1], max_new_tokens), compile)
+        auto = auto_shape(model, drafter, width, depth,
+                          max_depth(model.config, ids.shape[1], max_new_tokens), compile)
+        choice = auto.choose() if auto is not None else None
     shape = (TreeShape(choice.width, choice.depth) if choice is not None
              else TreeShape(width, depth) if draft is not None else TreeShape(1, 0))
+    rechoose = auto is not None and rechoose_after is not None
+    # a shape chosen again may be any candidate: the caches and the logits are sized for the largest
+    room_tokens, room_depth = auto.largest if rechoose else (shape.tokens, shape.depth)
     draft_model = drafter.model if isinstance(drafter, DraftModel) else None
     if draft_model is not None:
         check_draft_vocabulary(vocab, check_causal_lm(draft_model, "draft"))
     prompt = ids[0].to("cpu", torch.long)
-    length = check_length(model.config, prompt.numel(), max_new_tokens, shape.depth)
+    length = check_length(model.config, prompt.numel(), max_new_tokens, room_depth)
     if draft_model is not None:
-        check_length(draft_model.config, prompt.numel(), max_new_tokens, shape.depth)
-    length = max(length, prompt.numel() + max_new_tokens - 1 + shape.tokens)  # the last tree's slots
+        check_length(draft_model.config, prompt.numel(), max_new_tokens, room_depth)
+    length = max(length, prompt.numel() + max_new_tokens - 1 + room_tokens)  # the last tree's slots
     device = _device(model)
-    need = generation_bytes(model, draft_model, length, shape.tokens, vocab)
+    need = generation_bytes(model, draft_model, length, room_tokens, vocab)
     self_draft = drafter if isinstance(drafter, SelfDraft) else None
     building = self_draft.needed_bytes(model) if self_draft is not None else 0  # 0 once built
     name = self_draft.name if self_draft is not None else ""
@@ -239,6 +260,8 @@ def generate(
     prefill_ms = (time.perf_counter() - began) * 1e3
     bar.update(1)
     accepted: list[int] = []
+    runs = [[shape.width, shape.depth, 0]]  # (width, depth, passes) of each shape run
+    measured = None
     draft_ms = verify_ms = 0.0
     context = torch.cat([prompt, torch.tensor(emitted)])
     while len(emitted) < max_new_tokens and emitted[-1] not in eos:
@@ -261,6 +284,13 @@ def generate(
         draft_ms += (t1 - t0) * 1e3
         verify_ms += (t2 - t1) * 1e3
         accepted.append(len(path) - 1)
+        runs[-1][2] += 1
+        if rechoose and measured is None and len(accepted) == rechoose_after:
+            measured = estimate_acceptance(accepted, shape.width, shape.depth, auto.prior)
+            choice = auto.choose(measured)
+            if (choice.width, choice.depth) != shape.dims:  # one shape at a time, static from here on
+                shape = TreeShape(choice.width, choice.depth)
+                runs.append([shape.width, shape.depth, 0])
         new = [int(tree.tokens[n]) for n in path[1:]] + [token]
         stop = next((i for i, t in enumerate(new) if t in eos), len(new) - 1) + 1
         keep = min(stop, max_new_tokens - len(emitted))
@@ -279,5 +309,6 @@ def generate(
         draft_ms=draft_ms, verify_ms=verify_ms, total_ms=(time.perf_counter() - began) * 1e3,
         width=shape.width, depth=shape.depth, draft=drafter.name,
         draft_bytes=drafter.device_bytes() if hasattr(drafter, "device_bytes") else 0,
-        predicted_tokens_per_second=choice.tokens_per_second if choice is not None else None)
+        predicted_tokens_per_second=choice.tokens_per_second if choice is not None else None,
+        shapes=tuple(tuple(run) for run in runs), measured_acceptance=measured)
     return Generation(context[None], stats, torch.cat(kept) if output_logits else None)

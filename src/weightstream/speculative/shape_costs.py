@@ -11,7 +11,9 @@ resident at `width` tokens (for the self-draft an upper bound: its low-bit copie
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from torch import nn
 
@@ -23,7 +25,15 @@ from ..placement.probe import load_profile
 from .checks import check_tree_argument
 from .draft_model import DraftModel
 from .self_draft import SelfDraft
-from .shape_choice import DEPTHS, MAX_TREE_TOKENS, PRIOR_ACCEPTANCE, WIDTHS, ShapeChoice, choose_shape
+from .shape_choice import (
+    DEPTHS,
+    MAX_TREE_TOKENS,
+    PRIOR_ACCEPTANCE,
+    WIDTHS,
+    ShapeChoice,
+    candidates,
+    choose_shape,
+)
 
 
 def _forward_ms(model: nn.Module, replay: bool, resident: bool = False) -> Callable[[int], float]:
@@ -66,12 +76,39 @@ def _dimension(name: str, value) -> tuple[int, ...] | None:
     return None
 
 
+@dataclass(frozen=True)
+class AutoShape:
+    """What `generate`'s automatic tree shape chooses among and from: the candidate widths and depths
+    (trees of at most `max_tokens` tokens), the predicted verify ms at a number of tokens and draft-step
+    ms at a width, and the draft's prior per-level acceptance. `choose` picks the shape for an acceptance
+    (the prior before anything is measured, `estimate_acceptance` of the passes run after)."""
+
+    widths: tuple[int, ...]
+    depths: tuple[int, ...]
+    verify_ms: Callable[[int], float]
+    draft_step_ms: Callable[[int], float]
+    prior: float
+    max_tokens: int
+
+    def choose(self, acceptance: float | None = None) -> ShapeChoice:
+        """The shape of the highest predicted tokens/ms at `acceptance` (None: the prior)."""
+        a = self.prior if acceptance is None else acceptance
+        return choose_shape(a, self.verify_ms, self.draft_step_ms, self.widths, self.depths, self.max_tokens)
+
+    @property
+    def largest(self) -> tuple[int, int]:
+        """(the most tokens, the most levels) of any candidate tree: what caches are sized for when the
+        shape may be chosen again."""
+        shapes = candidates(self.widths, self.depths, self.max_tokens)
+        return max(1 + w * d for w, d in shapes), max(d for _, d in shapes)
+
+
 def auto_shape(model: nn.Module, drafter, width, depth, max_depth: int | None,
-               compile: bool | str) -> ShapeChoice | None:
-    """The tree `generate` runs when `width` or `depth` is "auto": the `choose_shape` of the prior
-    acceptance of `drafter` over verify and draft-step ms predicted for `model` (module docstring);
-    a fixed dimension stays as given. None when neither is "auto". max_depth: the deepest tree the
-    model's positions allow (None: no limit)."""
+               compile: bool | str) -> AutoShape | None:
+    """What `generate` chooses its tree from when `width` or `depth` is "auto" (`AutoShape`: verify and
+    draft-step ms predicted for `model` and `drafter`, module docstring, and the draft's prior
+    acceptance); a fixed dimension stays as given. None when neither is "auto". max_depth: the deepest
+    tree the model's positions allow (None: no limit)."""
     widths, depths = _dimension("width", width), _dimension("depth", depth)
     if widths is None and depths is None:
         return None
@@ -88,5 +125,6 @@ def auto_shape(model: nn.Module, drafter, width, depth, max_depth: int | None,
     else:
         def draft_step_ms(w: int) -> float:
             return 0.0
-    return choose_shape(prior_acceptance(drafter), verify_ms, draft_step_ms, widths, depths,
-                        max(MAX_TREE_TOKENS, 1 + min(widths) * min(depths)))
+    # a re-choice asks again: predict each tree size once
+    return AutoShape(widths, depths, functools.cache(verify_ms), functools.cache(draft_step_ms),
+                     prior_acceptance(drafter), max(MAX_TREE_TOKENS, 1 + min(widths) * min(depths)))

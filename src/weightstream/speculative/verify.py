@@ -38,7 +38,9 @@ class TreeForward:
         self._step = self._forward
         if compile:
             mode = compile if isinstance(compile, str) else None
-            self._step = torch.compile(self._forward, fullgraph=True, mode=mode)
+            # static shapes: a second token count (a draft model's two steps, a tree shape chosen again)
+            # compiles a graph of its own instead of one with dynamic sizes
+            self._step = torch.compile(self._forward, fullgraph=True, mode=mode, dynamic=False)
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
