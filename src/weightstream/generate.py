@@ -8,21 +8,24 @@ from __future__ import annotations
 
 import inspect
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .config import OffloadConfig
+from .config import OffloadConfig, config_of
 from .dtypes import parse_dtype
 from .errors import ArgumentError, CheckpointError
 from .formats.hf import checkpoint_folder, from_pretrained, model_class, read_config
 from .offload import handle_of
 from .pipeline import DENOISERS
-from .sizes import format_size
+from .placement.shapes import meta_model
+from .sizes import format_size, parse_size
 from .speculative import GenerationStats
 from .speculative import generate as speculative_generate
+from .speculative.budget import DraftSplit, plan_split
 from .speculative.draft import DRAFT_NAMES
 from .speculative.tree import parse_tree
 
@@ -128,13 +131,15 @@ def generate_text(
     comes (when `echo`), and return the summary. compile: static KV cache and
     `torch.compile(fullgraph=True)` of the forward. chat: wrap the prompt in the tokenizer's chat
     template. speculate: "prompt-lookup", "self" (the model's resident modules plus int4 copies, groups
-    of 128, of the blocks it keeps off the GPU, beside `gpu_memory`) or the folder of a draft checkpoint
-    with the same tokenizer (loaded resident): speculative decoding with trees of `tree` ("WIDTHxDEPTH")
-    tokens, a progress bar on stderr and the text printed at the end. cpu_memory: host memory for the
-    offloaded weights, bytes or "16GiB", as for `from_pretrained` (None: no limit; groups beyond it are
-    read from the checkpoint files every forward). Raises ArgumentError for an empty prompt or fewer
-    than one new token, CheckpointError for a checkpoint of a model that does not generate text (an
-    encoder such as BertModel)."""
+    of 128, of the blocks it keeps off the GPU) or the folder of a draft checkpoint with the same
+    tokenizer (loaded resident); the draft's weights count in `gpu_memory` (the split is printed on
+    stderr when `echo`; `weightstream plan --speculate` shows it beforehand): speculative decoding with
+    trees of `tree` ("WIDTHxDEPTH") tokens, a progress bar on stderr and the text printed at the end.
+    cpu_memory: host memory for the offloaded weights, bytes or "16GiB", as for `from_pretrained` (None:
+    no limit; groups beyond it are read from the checkpoint files every forward). Raises ArgumentError
+    for an empty prompt or fewer than one new token, CheckpointError for a checkpoint of a model that
+    does not generate text (an encoder such as BertModel), BudgetError for a draft that does not fit
+    beside the model."""
     if not prompt:
         raise ArgumentError("--prompt is empty: give the text to continue, e.g. --prompt 'Hello'")
     if max_new_tokens < 1:
@@ -148,6 +153,11 @@ def generate_text(
     folder = checkpoint_folder(path)
     _check_generates(model_class(read_config(folder), folder), folder)  # before the tokenizer or weights
     tokenizer = _load_tokenizer(path)
+    split = None
+    if speculate is not None and speculate != "prompt-lookup":  # the draft's weights in the same budget
+        gpu_memory, split = _split_budget(folder, gpu_memory, speculate, dtype, device, cpu_memory)
+        if echo:
+            print(f"budget split: {split}", file=sys.stderr, flush=True)
     model = from_pretrained(path, gpu_memory, cpu_memory=cpu_memory, dtype=dtype, device=device)
     handle = handle_of(model)
     if chat:
@@ -178,6 +188,20 @@ def generate_text(
         pinned_bytes=handle.stats.pinned_bytes,
         disk_bytes=handle.stats.disk_bytes,
     )
+
+
+def _split_budget(folder: Path, gpu_memory: int | str | OffloadConfig, speculate: str, dtype: str | None,
+                  device: str | None, cpu_memory: int | str | None) -> tuple[OffloadConfig, DraftSplit]:
+    """The config that offloads the checkpoint in `folder` with the target's share of `gpu_memory`
+    beside the draft `speculate` names ("self": int4 copies in groups of 128 of the blocks kept off the
+    GPU; a draft folder: its weights), planned on the meta device (`speculative.budget.plan_split`),
+    and the split. BudgetError where the draft does not fit beside the model."""
+    config = config_of(gpu_memory, device=device)
+    model = meta_model(str(folder), dtype)
+    draft = speculate if speculate in DRAFT_NAMES else meta_model(speculate, next(model.parameters()).dtype)
+    host_bytes = None if cpu_memory is None else parse_size(cpu_memory)
+    split = plan_split(model, config, draft, host_bytes=host_bytes, allow_meta=True)
+    return config.replace(gpu_memory=split.weights_budget, placement=split.placement), split
 
 
 def _speculate(model, tokenizer, ids: torch.Tensor, speculate: str, width: int, depth: int,

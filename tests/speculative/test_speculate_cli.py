@@ -38,17 +38,25 @@ def test_a_draft_folder_is_loaded_resident_and_gives_the_same_text(checkpoint, t
     folder, tokenizer = checkpoint
     draft = tmp_path / "draft"
     make_model("llama", seed=3).save_pretrained(draft)
-    assert run(folder, "--speculate", str(draft)) == 0
-    out = capsys.readouterr().out
-    assert greedy_text(folder, tokenizer, 10).strip() in out and "speculative (model, tree 4x6)" in out
+    capsys.readouterr()  # save_pretrained's own progress bar
+    # the draft's weights (about 550 KB) count in the budget: 200KB is refused, saying what suffices
+    assert run(folder, "--speculate", str(draft)) == 2
+    err = capsys.readouterr().err
+    assert "cannot hold the model draft beside the model's weights" in err and len(err.splitlines()) == 1
+    assert run(folder, "--speculate", str(draft), "--gpu-memory", "900KB") == 0
+    captured = capsys.readouterr()
+    assert greedy_text(folder, tokenizer, 10).strip() in captured.out
+    assert "speculative (model, tree 4x6)" in captured.out
+    assert "budget split: gpu_memory 878.91 KiB with the model draft: target resident" in captured.err
 
 
 def test_the_self_draft_gives_the_same_text(checkpoint, capsys):
     folder, tokenizer = checkpoint
     assert run(folder, "--speculate", "self", "--tree", "2x3") == 0
-    out = capsys.readouterr().out
-    assert greedy_text(folder, tokenizer, 10).strip() in out
-    assert "speculative (self int4 g128, tree 2x3)" in out
+    captured = capsys.readouterr()
+    assert greedy_text(folder, tokenizer, 10).strip() in captured.out
+    assert "speculative (self int4 g128, tree 2x3)" in captured.out
+    assert "budget split: gpu_memory 195.31 KiB with the self int4 g128 draft" in captured.err
 
 
 def test_speculation_mistakes_end_in_one_line_and_exit_2(checkpoint, tmp_path, capsys):
