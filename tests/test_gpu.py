@@ -350,7 +350,7 @@ def test_gpu_memory_auto_on_a_real_gpu_is_free_memory_minus_the_headroom_and_exa
     headroom = max(AUTO_HEADROOM_BYTES, int(AUTO_HEADROOM_FRACTION * total))
     # the driver's free memory read between the two readings (equal unless something else ran)
     assert min(free_before, free_after) - headroom <= budget <= max(free_before, free_after) - headroom
-    assert OffloadConfig().device == device
+    assert OffloadConfig().device.type == "cuda"  # the current device, named without its index
 
     ref = gpu_model()
     model = make_model("llama", 0, dtype=torch.bfloat16)  # on the CPU: offload places it

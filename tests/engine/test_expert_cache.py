@@ -16,6 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from model_zoo import ZOO, call, same
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import weightstream as ws
 from weightstream.engine.expert_cache import CachedTensor, CacheTable, ExpertCache, copy_rows_reference
@@ -86,6 +87,32 @@ def test_the_table_follows_the_policy_and_stays_an_injective_map(drawn):
         hits, reached = hits + len(want_hits), reached + len(routed)
         host_rows += len(admitted) + len(routed - set(got))
     assert table.counts.tolist() == [len(calls), sum(len(c) for c in calls), reached, hits, host_rows]
+
+
+class _HostValues(TorchDispatchMode):
+    """Records every tensor made from a Python value (`aten.lift_fresh`): an indexed assignment of a
+    number (`t[i] = -1`) or `torch.tensor(...)`. On a GPU such a tensor is made in host memory and copied
+    over, which a CUDA graph cannot capture and which synchronizes outside one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default):
+            self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_table_update_makes_no_tensor_from_a_python_value():
+    """The table's update is device work only (numbers go in as kernel arguments), so on a GPU a CUDA
+    graph captures it and it never waits for the host."""
+    table = CacheTable(8, 3, torch.device("cpu"))
+    index = torch.tensor([[0, 1], [1, 3]])
+    with _HostValues() as mode:
+        for _ in range(3):
+            table.step(table.routed(index), tokens=2)
+    assert mode.ops == []
 
 
 def test_the_cache_fills_by_frequency_then_replaces_the_least_recently_used():

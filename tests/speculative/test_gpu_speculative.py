@@ -5,6 +5,7 @@ in fp32. Run with `pytest -m gpu tests/speculative` on a CUDA machine; skipped e
 from __future__ import annotations
 
 import copy
+import gc
 
 import pytest
 import torch
@@ -95,6 +96,7 @@ def test_self_draft_offloaded_equals_resident_and_its_bytes_are_on_the_gpu(bits,
     a = run(ref, draft=ws.SelfDraft(bits=bits, blocks=blocks), do_sample=do_sample)
     draft = ws.SelfDraft(bits=bits)
     need = draft.needed_bytes(model)
+    gc.collect()  # the reference run's garbage goes now, not while the draft is built
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
     draft.build(model)

@@ -133,13 +133,13 @@ class CacheTable:
         # the k-th admitted expert (by index) goes to the k-th freed slot (by index)
         by_rank = torch.full_like(self.owner, -1)
         by_rank.scatter_(0, torch.where(freed, freed.cumsum(0) - 1, self.slots), self._slot_ids)
-        by_rank[self.slots] = -1
+        by_rank.narrow(0, self.slots, 1).fill_(-1)  # fill_ takes -1 as an argument: no host tensor
         new_slot = by_rank[torch.where(admit, admit.cumsum(0) - 1, self.slots)]
         hit = routed & cached
         self.table.copy_(torch.where(admit, new_slot, torch.where(evict, -1, self.table)))
         owners.copy_(torch.where(freed, -1, owners))
         self.owner.scatter_(0, torch.where(admit, new_slot, self.slots), self._ids)
-        self.owner[self.slots] = -1
+        self.owner.narrow(0, self.slots, 1).fill_(-1)
         host_rows = admit.sum() + (routed & (self.table < 0)).sum()
         self.counts.add_(torch.stack([torch.ones_like(self.calls), torch.full_like(self.calls, tokens),
                                       routed.sum(), hit.sum(), host_rows]))
