@@ -133,3 +133,11 @@ def test_whole_block_zero_copy_against_experts_in_place_on_the_cpu(tmp_path):
     assert "routed experts" not in rows["ws-uva-whole-blocks"]["setup"]["placement"]
     predicted = {m: rows[m]["setup"]["prediction"]["warm_ms"] for m in ("ws-uva", "ws-uva-whole-blocks")}
     assert predicted["ws-uva"] < predicted["ws-uva-whole-blocks"]
+    # the expert bytes read per token, counted after the timed calls: top_k experts of each zero-copy
+    # block at one token, whole blocks or not (a GEMM in place reads only its routed experts' rows)
+    fields = SHAPES["tiny-moe"].fields
+    experts_in_place = rows["ws-uva"]["setup"]["stats"]["uva_bytes"]  # every block's routed experts
+    want = experts_in_place * fields["num_experts_per_tok"] // fields["num_local_experts"]
+    for m in ("ws-uva", "ws-uva-whole-blocks"):
+        assert rows[m]["setup"]["expert_bytes_per_token"] == want > 0
+    assert "expert_bytes_per_token" not in rows["resident"]["setup"]

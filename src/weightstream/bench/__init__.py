@@ -37,7 +37,9 @@ How to add:
 - a variant of weightstream: one line in `methods/weightstream.py`, as `ws-auto-compress` is
   (`Method("ws-auto-compress", ws_prepare("auto", compress=True), MODES, ...)`): `ws_prepare` passes
   further keywords to `offload`. Every weightstream row records wire_bytes, wire_raw_bytes and
-  wire_ratio, and its link bound counts wire bytes.
+  wire_ratio, and its link bound counts wire bytes; on an offloaded mixture of experts its setup also
+  records `expert_bytes_per_token` and `expert_hit_rate` (where a GPU expert cache is on), counted over
+  one eager forward after the timed calls (`runner.expert_fields`).
 - a shape of a known kind: one `Shape(name, fields)` entry in `shapes.SHAPES` (planning shapes come
   from `weightstream/placement/shapes.py`, so a planning shape is benched as soon as it is added there).
 - quantized weights of another format: a variant in `quantized_lm.py` (its `quantize` and `meta`),

@@ -77,8 +77,13 @@ def describe(row: ResultRow) -> str:
     head = f"{row.method} {row.phase} budget {budget_text(row.budget_bytes, None)} {row.mode}"
     if row.median_ms is None:
         return f"{head}: {row.error or 'skipped: ' + str(row.skipped)}"
-    return (f"{head}: {row.median_ms:.2f} ms [{row.min_ms:.2f}..{row.max_ms:.2f}] x{row.reps}, "
+    text = (f"{head}: {row.median_ms:.2f} ms [{row.min_ms:.2f}..{row.max_ms:.2f}] x{row.reps}, "
             f"{row.tokens_per_s:.1f} tok/s, ratio {fmt(row.ratio, 2)}, exact {row.exact} ({row.reference})")
+    if row.setup.get("expert_bytes_per_token") is not None:
+        text += f", expert bytes/token {format_size(round(row.setup['expert_bytes_per_token']))}"
+    if row.setup.get("expert_hit_rate") is not None:
+        text += f", expert cache hit rate {row.setup['expert_hit_rate']:.3f}"
+    return text
 
 
 REPORT_HEADER = """# Benchmarks

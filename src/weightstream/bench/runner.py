@@ -30,6 +30,7 @@ from torch import nn
 from .. import __version__
 from ..errors import OffloadStateError
 from ..offload import handle_of
+from ..placement.experts import routers
 from ..placement.timing import capture_graph
 from ..sizes import format_size, parse_size
 from . import methods as registry
@@ -147,6 +148,30 @@ def _counters(model: nn.Module) -> tuple[int, int, int] | None:
     return stats.misses, stats.prologues, stats.copies
 
 
+def expert_fields(suite: Suite, phase: Phase) -> dict:
+    """For an offloaded mixture of experts: `expert_bytes_per_token` (expert bytes read over the link per
+    token) and `expert_hit_rate` (the share of the experts reached found in a GPU expert cache, where
+    there is one), counted over one eager forward of the phase's input after the timed calls (the
+    counters add kernels, so the timed calls run without them; the caches are warm by then); {} for
+    any other model, a model not offloaded, or a generation phase."""
+    if phase.kind == "generate" or not routers(suite.model):
+        return {}
+    try:
+        handle = handle_of(suite.model)
+    except OffloadStateError:
+        return {}
+    handle.count_experts()
+    try:
+        with torch.no_grad():
+            suite.forward_fn()(suite.inputs[phase.name])
+        stats = handle.stats
+    finally:
+        handle.count_experts(False)
+    fields = {"expert_bytes_per_token": stats.expert_bytes_per_token,
+              "expert_hit_rate": stats.expert_hit_rate}
+    return {k: v for k, v in fields.items() if v is not None}
+
+
 def run_mode(suite: Suite, method: Method, phase: Phase, row: ResultRow, compiled: Callable) -> None:
     """Time one mode into `row`, check it against the reference, add the link bound; for an offloaded
     model also the engine's misses, pass prologues and copies per timed call (`engine_per_call`)."""
@@ -160,6 +185,9 @@ def run_mode(suite: Suite, method: Method, phase: Phase, row: ResultRow, compile
         names = ("misses", "prologues", "copies")
         row.setup = {**row.setup, "engine_per_call": {
             k: (b - a) / entry["reps"] for k, a, b in zip(names, warm[0], after, strict=True)}}
+    experts = expert_fields(suite, phase)
+    if experts:
+        row.setup = {**row.setup, **experts}
     if suite.timeline and row.mode in ("eager", "compiled") and phase.kind != "generate" and (
             method.name.startswith("ws-") or method.name == "resident"):
         store_timeline(suite.doc, row, suite.model, call)
