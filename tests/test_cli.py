@@ -34,6 +34,35 @@ def test_plan_prints_a_table_and_json_that_respects_the_budget(capsys):
     assert part is None or (part >= 1 and "largest tensors" in table)
 
 
+def test_plan_shows_a_gpu_expert_cache_and_predicts_with_it(capsys):
+    """Mixtral read in place at 2048 tokens: the planner puts an expert cache in the budget (the cost
+    model prices misses read once, not once per token tile); the table and JSON say so, and the
+    prediction is the planner's own, cache included."""
+    from weightstream.config import config_of
+    from weightstream.placement.plan import plan
+    from weightstream.placement.prepare import prepare
+    from weightstream.placement.probe import load_profile
+    from weightstream.placement.shapes import meta_model
+
+    args = ["plan", "mixtral-8x7b", "--gpu-memory", "70GiB", "--tokens", "2048", "--strategy", "uva"]
+    assert main([*args, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    cache = report["expert_cache"]
+    assert cache["blocks"] and set(cache["blocks"]) <= set(report["zero_copy"]["experts_only_blocks"])
+    assert 0 < cache["slots"] < cache["experts"] == 8 and cache["bytes"] > 0
+    assert report["gpu_bytes"] <= 70 * 2**30
+    cost = prepare(meta_model("mixtral-8x7b"), gpu_memory=2**40, allow_meta=True).cost
+    p = plan(cost, 70 * 2**30, tokens=2048, profile=load_profile(config_of("70GiB").device), strategy="uva")
+    assert (p.expert_cache, p.expert_slots, p.cache_bytes) == (tuple(cache["blocks"]), cache["slots"],
+                                                              cache["bytes"])
+    assert report["predicted"]["prefill_2048"]["ms"] == round(p.prediction.again_ms, 2)
+    assert main(args) == 0
+    table = capsys.readouterr().out
+    assert f"{cache['slots']} of 8 experts per block on the GPU" in table
+    assert main(["plan", "mixtral-8x7b", "--gpu-memory", "70GiB"]) == 0  # decode: no cache pays
+    assert "expert cache" not in capsys.readouterr().out
+
+
 def test_probe_without_a_gpu_says_so(capsys):
     import torch
 

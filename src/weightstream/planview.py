@@ -76,7 +76,7 @@ def plan_report(model_name: str, gpu_memory: int | str | OffloadConfig, tokens: 
               else ((f"forward_{tokens}", tokens),))
     predictions = {
         name: predict(cost, p.streamed, p.n_slots, p.uva, n, profile, p.part, p.compressed, p.n_landing,
-                      p.uva_experts)
+                      p.uva_experts, p.expert_cache, p.expert_slots)
         for name, n in phases
     }
     host_limit = None if host_bytes is None else host_bytes - sum(prep.uva_group_bytes)
@@ -100,6 +100,10 @@ def plan_report(model_name: str, gpu_memory: int | str | OffloadConfig, tokens: 
         # of each resident)
         "zero_copy": {"bytes": p.uva_bytes, "blocks": list(p.uva),
                       "experts_only_blocks": list(p.uva_experts)},
+        # a GPU expert cache: blocks (of experts_only_blocks) whose routed experts go through a static
+        # pool of `slots` experts each; bytes: the pools plus their work buffers (in gpu_bytes)
+        "expert_cache": {"blocks": list(p.expert_cache), "slots": p.expert_slots, "bytes": p.cache_bytes,
+                         "experts": cost.experts},
         "disk": {"bytes": sum(cost.streamed_bytes(p.streamed[g], p.part) for g in on_disk),
                  "blocks": [p.streamed[g] for g in sorted(on_disk)],
                  # what a forward reads from disk: compressed groups' blobs (predicted) from the cache
@@ -147,6 +151,10 @@ def format_report(r: dict) -> str:
         f"{'zero copy':12}{len(r['zero_copy']['blocks']):>8}{size(r['zero_copy']['bytes']):>14}"
         + (f"   {len(r['zero_copy']['experts_only_blocks'])} of them only their routed experts, the rest "
            "of each resident" if r["zero_copy"].get("experts_only_blocks") else ""),
+        *([f"{'expert cache':12}{len(r['expert_cache']['blocks']):>8}{size(r['expert_cache']['bytes']):>14}"
+           f"   {r['expert_cache']['slots']} of {r['expert_cache']['experts']} experts per block on the GPU "
+           "(filled by frequency, then least recently used out), pools and work buffers"]
+          if r.get("expert_cache", {}).get("blocks") else []),
         f"on the wire: {size(r['wire']['bytes'])} of {size(r['wire']['raw_bytes'])} streamed per forward, "
         + (f"compressed (ratio {r['wire']['ratio']:.3f}; landing buffers {r['wire']['landing_buffers']} x "
            f"{size(r['wire']['landing_bytes'])}, counted in the GPU memory)"

@@ -30,6 +30,8 @@ def placement_text(handle: OffloadHandle) -> str:
     p = handle.placement
     part = f" (each block's {p.part} largest tensors)" if p.part else ""
     experts = f" ({len(p.uva_experts)} of them only their routed experts)" if p.uva_experts else ""
+    if p.expert_cache:
+        experts += f", an expert cache of {p.expert_slots} slots in {len(p.expert_cache)} blocks"
     return f"{p.kind}: {len(p.streamed)} streamed{part} / {p.n_slots} slots, {len(p.uva)} zero copy{experts}"
 
 
