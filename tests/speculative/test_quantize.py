@@ -1,7 +1,13 @@
 """Symmetric int8 / int4 weight-only quantization in groups: the error bound of a round trip, int4 packing,
-the bytes stored, and a module reading its weight through `QuantizedWeight`."""
+the bytes stored, a module reading its weight through `QuantizedWeight`, and the Triton kernel against
+the reference (Triton's interpreter)."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -88,3 +94,16 @@ def test_a_three_dimensional_weight_is_grouped_along_its_last_dimension():
         v, s = quantize(weight[e], 4, 64)
         assert torch.equal(back[e], dequantize(v, s, 4, 96, torch.float32))
     assert quantized_bytes(weight.shape, 4, 64) == values.numel() + scales.numel() * 4
+
+
+def test_the_kernel_run_by_tritons_interpreter_matches_the_reference():
+    """The self-draft's Triton dequantization run by Triton's interpreter on the CPU (a fresh Python with
+    TRITON_INTERPRET=1) against `dequantize`, bit for bit, over hypothesis-drawn shapes, bits, groups
+    and dtypes."""
+    pytest.importorskip("triton")
+    here = Path(__file__).parent
+    path = os.pathsep.join([str(here), str(here.parents[1] / "src"), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
+    check = "import interpreted_dequant_kernel as m; m.check_random_weights()"
+    run = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]

@@ -6,8 +6,9 @@ with zeros, which change no scale, and the padding is cut off again). Each group
 scale, max |w| / qmax (qmax 127 for 8 bits, 7 for 4 bits), and integers round(w / scale) clamped to
 [-qmax, qmax]: a symmetric grid, so a value is off by at most half its group's scale. int8 values are
 stored as int8; int4 values as q + 8 in [1, 15], two per byte (the even column in the low nibble).
-The reference forward dequantizes (q * scale in float32, cast to the weight's dtype) and then runs the
-module's own matmul (`QuantizedWeight`, a torch parametrization): no kernel of its own.
+A module's forward dequantizes (q * scale in float32, cast to the weight's dtype) and then runs its own
+matmul (`QuantizedWeight`, a torch parametrization). `dequantize` here is the reference and the CPU
+path; on CUDA the same arithmetic runs as one Triton kernel (`dequant_kernel.py`), bit for bit.
 """
 
 from __future__ import annotations
@@ -74,16 +75,31 @@ def dequantize(values: torch.Tensor, scales: torch.Tensor, bits: int, columns: i
     return grouped.reshape(*q.shape)[..., :columns].to(dtype)
 
 
+def dequantize_for_device(values: torch.Tensor, scales: torch.Tensor, bits: int, columns: int,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """`dequantize`, bit for bit: on CUDA one Triton kernel (one read of the integers and scales, one
+    write of the weight; under torch.compile the traceable op `weightstream::dequantize_low_bit`),
+    elsewhere the reference."""
+    if not values.is_cuda:
+        return dequantize(values, scales, bits, columns, dtype)
+    from . import dequant_kernel  # needs Triton, which the CPU build of torch lacks
+
+    if torch.compiler.is_compiling():
+        return torch.ops.weightstream.dequantize_low_bit(values, scales, bits, columns, dtype)
+    return dequant_kernel.dequantize(values, scales, bits, columns, dtype)
+
+
 class QuantizedWeight(nn.Module):
     """A parametrization (`torch.nn.utils.parametrize`): the module stores (values, scales) and reads
-    its weight dequantized on each access, so the module's own forward runs on the low-bit copy."""
+    its weight dequantized on each access (`dequantize_for_device`), so the module's own forward runs on the
+    low-bit copy."""
 
     def __init__(self, bits: int, group: int, columns: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.bits, self.group, self.columns, self.dtype = bits, group, columns, dtype
 
     def forward(self, values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-        return dequantize(values, scales, self.bits, self.columns, self.dtype)
+        return dequantize_for_device(values, scales, self.bits, self.columns, self.dtype)
 
     def right_inverse(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return quantize(weight, self.bits, self.group)
