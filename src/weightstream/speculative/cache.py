@@ -38,6 +38,9 @@ class TreeCache:
         self.values: list[torch.Tensor | None] = [None] * layers
         self.write_at: torch.Tensor | None = None
         self.filled = 0  # positions [0, filled) hold committed tokens (host-side bookkeeping)
+        # the position id of the token each slot holds (host side): a tree node's is its depth past the
+        # root's, not its slot, and sliding-window masks measure distance in position ids
+        self.slot_positions = torch.arange(length)
         self._positions: dict[int, torch.Tensor] = {}
 
     def set_write_positions(self, positions: torch.Tensor, device: torch.device) -> None:
@@ -50,6 +53,11 @@ class TreeCache:
             _mark_static(buffer)
         buffer.copy_(positions)
         self.write_at = buffer
+
+    def record_positions(self, write_at: torch.Tensor, positions: torch.Tensor) -> None:
+        """The next forward writes tokens of position ids `positions` at cache slots `write_at` (both
+        (count,) int64)."""
+        self.slot_positions[write_at.cpu()] = positions.cpu()
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Write the new entries (batch, heads, count, head dim) at `write_at`; return the whole buffers."""
@@ -76,6 +84,7 @@ class TreeCache:
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy the entries at positions `src` to positions `dst` in every layer (all read before any is
         written, so the two may overlap)."""
+        self.slot_positions[dst.cpu()] = self.slot_positions[src.cpu()]
         for buffers in (self.keys, self.values):
             for buffer in buffers:
                 if buffer is not None:

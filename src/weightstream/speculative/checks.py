@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import inspect
+import re
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -11,8 +15,8 @@ from .cache import kv_bytes
 
 
 def check_causal_lm(model, what: str = "model") -> int:
-    """Raise ArgumentError unless `model` is a decoder-only causal LM with full attention; return its
-    vocabulary size (the width of its logits)."""
+    """Raise ArgumentError unless `model` is a decoder-only causal LM whose layers attend fully or over a
+    sliding window (`attention_masks`); return its vocabulary size (the width of its logits)."""
     head = model.get_output_embeddings() if isinstance(model, nn.Module) and hasattr(
         model, "get_output_embeddings") else None
     config = getattr(model, "config", None)
@@ -23,18 +27,64 @@ def check_causal_lm(model, what: str = "model") -> int:
             f"the {what} ({type(model).__name__}) is not a causal LM: speculative generation needs a "
             "decoder-only transformers model with a language-model head, such as LlamaForCausalLM "
             "(load it with AutoModelForCausalLM)")
-    layer_types = getattr(config, "layer_types", None) or ()
-    if any(kind != "full_attention" for kind in layer_types):
-        raise ArgumentError(
-            f"the {what} ({type(model).__name__}) has layers of kinds {sorted(set(layer_types))}: "
-            "speculative generation verifies trees over a full-attention KV cache only; generate with "
-            "model.generate() instead")
+    attention_masks(model, what)
     attention = getattr(config, "_attn_implementation", None) or "sdpa"
     if attention not in ("eager", "sdpa"):
         raise ArgumentError(
             f"the {what} attends with {attention!r}, which takes no 4-D tree mask: load it with "
             "attn_implementation='sdpa' (or 'eager') for speculative generation")
     return head.weight.shape[0]
+
+
+MASKED_KINDS = ("full_attention", "sliding_attention")
+
+
+@dataclass(frozen=True)
+class AttentionMasks:
+    """How a model's forward takes the 4-D masks of a tree pass. kind: "full" (one mask, every layer
+    attends to the whole cache), "sliding" (one mask, every layer over a window of `window` positions)
+    or "per-layer-type" (a dict {"full_attention": m, "sliding_attention": m2}, each layer picking its
+    own by its `layer_types` entry)."""
+
+    kind: str
+    window: int | None = None
+
+
+def attention_masks(model, what: str = "model") -> AttentionMasks:
+    """The masks `model`'s forward takes (`AttentionMasks`); ArgumentError for layer kinds a tree mask
+    cannot express (linear attention, chunked attention, state-space layers)."""
+    config = model.config
+    window = getattr(config, "sliding_window", None)
+    if getattr(config, "use_bidirectional_attention", False):
+        raise ArgumentError(f"the {what} ({type(model).__name__}) attends bidirectionally (an embedding "
+                            "model): speculative generation needs a causal LM")
+    kinds = set(getattr(config, "layer_types", None) or ())
+    if kinds - set(MASKED_KINDS):
+        raise ArgumentError(
+            f"the {what} ({type(model).__name__}) has layers of kinds {sorted(kinds)}: speculative "
+            f"generation verifies trees over layers of {' and '.join(MASKED_KINDS)} only (its KV cache "
+            "and 4-D masks); generate with model.generate() instead")
+    source = _decoder_source(model)
+    if "sliding_attention" in kinds:
+        # transformers' decoders with mixed layers take a dict of masks keyed by layer type; one that
+        # builds its own masks whatever it is given would ignore the tree's
+        if "full_attention" in kinds and not re.search(r"isinstance\(\w+ := attention_mask, dict\)", source):
+            raise ArgumentError(
+                f"the {what} ({type(model).__name__}) mixes sliding-window and full layers but its forward "
+                "takes no mask per layer type: generate with model.generate() instead")
+        return AttentionMasks("per-layer-type" if "full_attention" in kinds else "sliding", window)
+    if not kinds and window is not None and "create_sliding_window_causal_mask" in source:
+        return AttentionMasks("sliding", window)  # Mistral, Mixtral: one window for every layer
+    return AttentionMasks("full")
+
+
+def _decoder_source(model) -> str:
+    """The source of the forward that builds the masks (the base decoder's), or "" where none is found."""
+    base = getattr(model, "base_model", model)
+    try:
+        return inspect.getsource(type(base).forward)
+    except (OSError, TypeError):
+        return ""
 
 
 def check_draft_vocabulary(model_vocab: int, draft_vocab: int) -> None:

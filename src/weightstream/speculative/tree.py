@@ -151,6 +151,16 @@ def causal_mask(start: int, count: int, length: int) -> torch.Tensor:
     return cols[None, :] <= rows[:, None]
 
 
+def sliding_mask(mask: torch.Tensor, query_positions: torch.Tensor, key_positions: torch.Tensor,
+                 window: int) -> torch.Tensor:
+    """(count, length) bool: `mask` where each query also keeps only the keys whose position id is less
+    than `window` behind its own (transformers' sliding window: key > query - window). Positions are
+    logical (a tree node's is its root's plus its depth), not cache slots: query_positions (count,),
+    key_positions (length,) int64, the position id each cache slot holds."""
+    behind = query_positions[:, None] - key_positions[None, :]
+    return mask & (behind < window)
+
+
 def path_moves(path: Sequence[int], start: int, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Where the KV entries of an accepted path go: (source, destination) cache positions, each of
     `depth + 1` entries (static). The path (root first, as node indices) is moved to

@@ -6,6 +6,9 @@ static buffers, one set per token count, so a compiled forward (`fullgraph=True`
 every pass and replays from a CUDA graph; the prefill, whose length is the prompt's, always runs eagerly.
 A 4-D float mask (0 where a token may attend, the dtype's minimum elsewhere) is what transformers 5
 passes through to eager and SDPA attention unchanged, for every decoder built on its masking utilities.
+Sliding-window layers get a second mask that also hides the keys `sliding_window` or more positions
+behind each query (position ids, which the cache records per slot), given as the one mask where every
+layer slides, or beside the full one in a dict keyed by layer type where the two kinds alternate.
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ import torch
 from torch import nn
 
 from .cache import TreeCache
-from .tree import causal_mask
+from .checks import attention_masks
+from .tree import causal_mask, sliding_mask
 
 
 def cache_keyword(model: nn.Module) -> str:
@@ -34,7 +38,8 @@ class TreeForward:
                  compile: bool | str = False) -> None:
         self.model, self.cache, self.device, self.dtype = model, cache, device, dtype
         self.keyword = cache_keyword(model)
-        self._buffers: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.masks = attention_masks(model)
+        self._buffers: dict[int, tuple[torch.Tensor, ...]] = {}
         self._step = self._forward
         if compile:
             mode = compile if isinstance(compile, str) else None
@@ -42,36 +47,47 @@ class TreeForward:
             # compiles a graph of its own instead of one with dynamic sizes
             self._step = torch.compile(self._forward, fullgraph=True, mode=mode, dynamic=False)
 
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, *masks: torch.Tensor) -> torch.Tensor:
+        mask = masks[0] if len(masks) == 1 else {"full_attention": masks[0], "sliding_attention": masks[1]}
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                          **{self.keyword: self.cache})
         return out.logits[0]
 
-    def _inputs(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor):
-        count, length = mask.shape
+    def _layer_masks(self, positions: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
+        """The bool masks the forward takes, in `_forward`'s order: the full one and/or the sliding one."""
+        if self.masks.kind == "full":
+            return [mask]
+        window = sliding_mask(mask, positions.cpu(), self.cache.slot_positions, self.masks.window)
+        return [window] if self.masks.kind == "sliding" else [mask, window]
+
+    def _inputs(self, tokens: torch.Tensor, positions: torch.Tensor, masks: list[torch.Tensor]):
+        count, length = masks[0].shape
         buffers = self._buffers.get(count)
-        if buffers is None:
+        if buffers is None:  # one set per token count, each mask at the static (count, cache length)
             buffers = self._buffers[count] = (
                 torch.empty(1, count, dtype=torch.long, device=self.device),
                 torch.empty(1, count, dtype=torch.long, device=self.device),
-                torch.empty(1, 1, count, length, dtype=self.dtype, device=self.device),
+                *(torch.empty(1, 1, count, length, dtype=self.dtype, device=self.device) for _ in masks),
             )
-        ids, pos, additive = buffers
+        ids, pos, *additive = buffers
         ids.copy_(tokens.view(1, count))
         pos.copy_(positions.view(1, count))
-        # the bool mask crosses (a byte per entry) and becomes 0 / the dtype's minimum on the device
-        allowed = mask.to(self.device, non_blocking=True).view(1, 1, count, length)
-        additive.fill_(torch.finfo(self.dtype).min).masked_fill_(allowed, 0.0)
-        return ids, pos, additive
+        for buffer, mask in zip(additive, masks):
+            # the bool mask crosses (a byte per entry) and becomes 0 / the dtype's minimum on the device
+            allowed = mask.to(self.device, non_blocking=True).view(1, 1, count, length)
+            buffer.fill_(torch.finfo(self.dtype).min).masked_fill_(allowed, 0.0)
+        return buffers
 
     def run(self, tokens: torch.Tensor, positions: torch.Tensor, write_at: torch.Tensor, mask: torch.Tensor,
             compiled: bool = True) -> torch.Tensor:
         """Logits (count, vocab) of `tokens` (count,) at position ids `positions` (count,), their keys and
         values written at cache positions `write_at` (count,), each attending where `mask` (count, cache
-        length) is True. compiled: use the compiled forward where one was asked for."""
+        length) is True (sliding-window layers: and within their window of position ids). compiled: use the
+        compiled forward where one was asked for."""
         with torch.no_grad():
             self.cache.set_write_positions(write_at, self.device)
-            inputs = self._inputs(tokens, positions, mask)
+            self.cache.record_positions(write_at, positions)
+            inputs = self._inputs(tokens, positions, self._layer_masks(positions, mask))
             forward = self._step if compiled else self._forward
             return forward(*inputs).clone()  # a CUDA graph's output is overwritten by its next replay
 
