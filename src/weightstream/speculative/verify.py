@@ -72,7 +72,7 @@ class TreeForward:
         ids, pos, *additive = buffers
         ids.copy_(tokens.view(1, count))
         pos.copy_(positions.view(1, count))
-        for buffer, mask in zip(additive, masks):
+        for buffer, mask in zip(additive, masks, strict=True):
             # the bool mask crosses (a byte per entry) and becomes 0 / the dtype's minimum on the device
             allowed = mask.to(self.device, non_blocking=True).view(1, 1, count, length)
             buffer.fill_(torch.finfo(self.dtype).min).masked_fill_(allowed, 0.0)
