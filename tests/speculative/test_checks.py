@@ -43,12 +43,15 @@ def test_a_model_that_is_not_a_causal_lm_is_refused(not_a_causal_lm, model):
         ws.generate(model, IDS, 4, draft=other)
 
 
-def test_a_model_with_sliding_window_layers_is_refused():
+def test_a_model_with_layers_other_than_full_or_sliding_attention_is_refused():
     config = hf_config("qwen2")
-    config.layer_types = ["full_attention", "sliding_attention"] * 2
-    model = tf.Qwen2ForCausalLM(config).eval()
-    with pytest.raises(ArgumentError, match="sliding_attention.*full-attention KV cache only"):
+    config.layer_types = ["full_attention", "linear_attention"] * 2
+    model = tf.Qwen2ForCausalLM(hf_config("qwen2")).eval()
+    model.config = config
+    with pytest.raises(ArgumentError, match="linear_attention.*full_attention and sliding_attention only"):
         ws.generate(model, IDS, 4)
+    with pytest.raises(ArgumentError, match="the draft .*linear_attention"):
+        ws.generate(make_model("qwen2"), IDS, 4, draft=model)
 
 
 def test_an_attention_without_4d_masks_is_refused():
