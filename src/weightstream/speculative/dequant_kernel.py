@@ -27,9 +27,10 @@ def _dequantize(out, values, scales, columns, value_row, groups, GROUP: tl.const
     r = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = c < columns
-    if BITS == 4:
-        byte = tl.load(values + r * value_row + c // 2, mask=m, other=0).to(tl.int32)
-        q = ((byte >> ((c % 2) * 4)) & 15) - 8
+    if BITS == 4:  # the block's bytes read once, contiguously; low nibble the even column
+        h = tl.program_id(1) * (BLOCK // 2) + tl.arange(0, BLOCK // 2)
+        byte = tl.load(values + r * value_row + h, mask=h * 2 < columns, other=0).to(tl.int32)
+        q = tl.interleave((byte & 15) - 8, (byte >> 4) - 8)
     else:
         q = tl.load(values + r * value_row + c, mask=m, other=0).to(tl.int32)
     s = tl.load(scales + r * groups + c // GROUP, mask=m, other=0.0)
