@@ -148,8 +148,9 @@ def test_the_window_cuts_inside_these_generations(arch):
     assert not torch.equal(plain_greedy(model, ids, 16), plain_greedy(wide, ids, 16))
 
 
-@pytest.mark.parametrize("draft", ["prompt-lookup", "copy", "other", "self", None])
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch, draft", [(arch, draft) for arch in ARCHS
+                                         for draft in ("prompt-lookup", "copy", "self", None)]
+                         + [("gemma3", "other")])  # a draft accepting nothing: many passes, one arch
 def test_greedy_speculative_equals_plain_greedy(arch, draft):
     model = sliding_model(arch, window=4)
     drafts = {"copy": copy.deepcopy(model), "other": sliding_model(arch, window=4, seed=7)}
@@ -165,7 +166,7 @@ def gemma3_models():
     return {"copy": sliding_model("gemma3", window=3), "other": sliding_model("gemma3", window=3, seed=7)}
 
 
-@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                  HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 10_000), length=st.integers(1, 20), alphabet=st.integers(2, 128),
        width=st.integers(1, 3), depth=st.integers(1, 5),
