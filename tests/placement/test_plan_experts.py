@@ -66,7 +66,7 @@ def test_every_placement_fits_and_places_every_tensor_once(model, budget, tokens
     if strategy == "stream":
         assert not p.uva
     again = predict(model, p.streamed, p.n_slots, p.uva, tokens, H200, p.part, p.compressed, p.n_landing,
-                    p.uva_experts)
+                    p.uva_experts, p.expert_cache, p.expert_slots)
     assert again.again_ms == p.prediction.again_ms
 
 
