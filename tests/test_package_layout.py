@@ -117,3 +117,24 @@ def test_the_process_wide_hooks_are_installed_while_a_model_is_offloaded_and_gon
     del dropped
     gc.collect()
     assert not ops.engines() and not engine.process_hooks_installed()
+
+
+def test_a_model_dropped_while_torch_compile_traces_leaves_the_registration_hook_until_the_next_restore():
+    """The garbage collector may finalize an engine in the middle of a trace, after dynamo guarded on the
+    module-registration hooks it saw; removing ours then failed that compile (KeyError while building
+    guards). So under a tracing context the hook stays, and the next last restore takes it off."""
+    from torch._guards import TracingContext, tracing
+
+    gc.collect()
+    registration = dict(nn.modules.module._global_module_registration_hooks)
+    dropped = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
+    ws.offload(dropped, gpu_memory=8 * 8 * 4 * 3, device="cpu", blocks=[""], strategy="stream")
+    with tracing(TracingContext(fake_mode=None)):
+        del dropped
+        gc.collect()
+        assert not ops.engines()
+        assert len(nn.modules.module._global_module_registration_hooks) == len(registration) + 1
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
+    ws.offload(model, gpu_memory=8 * 8 * 4 * 3, device="cpu", blocks=[""], strategy="stream").restore()
+    assert not engine.process_hooks_installed()
+    assert dict(nn.modules.module._global_module_registration_hooks) == registration

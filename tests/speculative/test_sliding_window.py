@@ -7,6 +7,7 @@ inside short generations."""
 from __future__ import annotations
 
 import copy
+import gc
 
 import pytest
 import torch
@@ -205,6 +206,7 @@ def test_offloaded_equals_resident(arch, draft, do_sample):
 def test_compiled_fullgraph_gemma3_has_no_graph_break_and_equals_eager():
     model = sliding_model("gemma3", window=4)
     ids = repetitive_prompt(0, 20)
+    gc.collect()  # earlier tests' dropped engines go now, not in the middle of the trace
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     compiled = ws.generate(model, ids, 12, draft=copy.deepcopy(model), width=2, depth=3, compile=True,

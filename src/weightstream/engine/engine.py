@@ -326,11 +326,14 @@ def _install_process_hooks() -> None:
 
 def _take_off_process_hooks() -> None:
     """Take the process-wide hooks off where no engine is left: after the last restore, torch is as it
-    was."""
+    was. Not the registration hook while torch.compile is tracing (an engine collected by the garbage
+    collector in the middle of a trace): the trace may have guarded on the hooks it saw, and removing
+    one before its guards are built fails the compile (KeyError in dynamo); a later restore or offload
+    takes it off."""
     global _registration
     if not ops.engines():
         replay.uninstall()
-        if _registration is not None:
+        if _registration is not None and torch._guards.TracingContext.try_get() is None:
             _registration.remove()
             _registration = None
 
