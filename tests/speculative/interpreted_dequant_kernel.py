@@ -9,19 +9,12 @@ import os
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from low_bit_cases import DTYPES, raw_stored, same_bits
 
-from weightstream.speculative.quantize import dequantize, padded, quantize
+from weightstream.speculative.quantize import dequantize, quantize
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "start this Python with TRITON_INTERPRET=1"
 from weightstream.speculative import dequant_kernel  # noqa: E402 - after the check: compiled kernels need a GPU
-
-DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-BITS_OF = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a.view(BITS_OF[a.dtype]),
-                                                                      b.view(BITS_OF[b.dtype]))
 
 
 def stored(lead: tuple[int, ...], columns: int, bits: int, group: int, gen: torch.Generator, spread: float,
@@ -30,19 +23,7 @@ def stored(lead: tuple[int, ...], columns: int, bits: int, group: int, gen: torc
     float32 scales (subnormal, huge, negative: every rounding case of the cast, overflow to inf)."""
     if not raw:
         return quantize(torch.randn(*lead, columns, generator=gen) * spread, bits, group)
-    width = padded(columns, group)
-    if bits == 4:
-        values = torch.randint(0, 256, (*lead, width // 2), generator=gen, dtype=torch.uint8)
-    else:
-        values = torch.randint(-128, 128, (*lead, width), generator=gen, dtype=torch.int8)
-    scales = torch.randint(-2**31, 2**31, (*lead, width // group, 1), generator=gen, dtype=torch.int32)
-    # half of them end in a tie (or next to one) of the cast to bfloat16 or float16, which q of a power of
-    # two keeps exact: round to nearest even is tested where it differs from other roundings
-    ends = torch.tensor([0x8000, 0x7FFF, 0x8001, 0x1000, 0x0FFF], dtype=torch.int32)
-    end = ends[torch.randint(0, len(ends), scales.shape, generator=gen)]
-    tie = torch.rand(scales.shape, generator=gen) < 0.5
-    scales = torch.where(tie, (scales & ~0xFFFF) | end, scales).view(torch.float32)
-    return values, torch.where(scales.isfinite(), scales, torch.ones(()))
+    return raw_stored(lead, columns, bits, group, gen)
 
 
 @settings(max_examples=60, deadline=None)

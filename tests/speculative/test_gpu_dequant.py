@@ -10,24 +10,16 @@ import torch
 from conftest import make_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from low_bit_cases import DTYPES, raw_stored, same_bits
 from test_gpu import eager_rounding  # noqa: F401  (a fixture)
 from test_gpu_speculative import offloaded, run
 from torch import nn
 
 import weightstream as ws
 from weightstream.speculative import quantize as quantize_module
-from weightstream.speculative.quantize import dequantize, padded, quantize, quantize_parameter
+from weightstream.speculative.quantize import dequantize, quantize, quantize_parameter
 
 pytestmark = pytest.mark.gpu
-
-DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-BITS_OF = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(
-        a.view(BITS_OF[a.dtype]).cpu(), b.view(BITS_OF[b.dtype]).cpu())
-
 
 def kernel(values, scales, bits, columns, dtype):
     from weightstream.speculative import dequant_kernel
@@ -51,22 +43,6 @@ def kernel_calls(monkeypatch):
     return calls
 
 
-def raw_stored(lead, columns, bits, group, seed):
-    """Any bytes and any finite float32 scales, half of them at a rounding tie of the cast."""
-    gen = torch.Generator().manual_seed(seed)
-    width = padded(columns, group)
-    if bits == 4:
-        values = torch.randint(0, 256, (*lead, width // 2), generator=gen, dtype=torch.uint8)
-    else:
-        values = torch.randint(-128, 128, (*lead, width), generator=gen, dtype=torch.int8)
-    scales = torch.randint(-2**31, 2**31, (*lead, width // group, 1), generator=gen, dtype=torch.int32)
-    ends = torch.tensor([0x8000, 0x7FFF, 0x8001, 0x1000, 0x0FFF], dtype=torch.int32)
-    end = ends[torch.randint(0, len(ends), scales.shape, generator=gen)]
-    tie = torch.rand(scales.shape, generator=gen) < 0.5
-    scales = torch.where(tie, (scales & ~0xFFFF) | end, scales).view(torch.float32)
-    return values, torch.where(scales.isfinite(), scales, torch.ones(()))
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("shape", [(4096, 4096), (1024, 14336), (14336, 4096), (8, 3, 1000), (5, 1)])
@@ -86,7 +62,7 @@ def test_any_stored_weight_dequantizes_on_the_gpu_as_the_reference_does(lead, co
                                                                         seed, raw):
     """Subnormal, huge and negative scales and rounding ties included (`raw`)."""
     if raw:
-        values, scales = raw_stored(lead, columns, bits, group, seed)
+        values, scales = raw_stored(lead, columns, bits, group, torch.Generator().manual_seed(seed))
     else:
         weight = torch.randn(*lead, columns, generator=torch.Generator().manual_seed(seed))
         values, scales = quantize(weight, bits, group)

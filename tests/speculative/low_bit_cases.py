@@ -1,0 +1,37 @@
+"""What the tests of the self-draft's dequantization kernel share (its interpreted run on the CPU,
+`interpreted_dequant_kernel.py`, and its GPU tests, `test_gpu_dequant.py`): the dtypes, a bitwise
+comparison, and stored low-bit weights that reach every rounding case of the cast."""
+
+from __future__ import annotations
+
+import torch
+
+from weightstream.speculative.quantize import padded
+
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+BITS_OF = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same shape, dtype and bits (compared on the CPU)."""
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(
+        a.view(BITS_OF[a.dtype]).cpu(), b.view(BITS_OF[b.dtype]).cpu())
+
+
+def raw_stored(lead: tuple[int, ...], columns: int, bits: int, group: int,
+               gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, scales) as `quantize` stores them, of any bytes and any finite float32 scales
+    (subnormal, huge, negative: every rounding case of the cast, overflow to inf)."""
+    width = padded(columns, group)
+    if bits == 4:
+        values = torch.randint(0, 256, (*lead, width // 2), generator=gen, dtype=torch.uint8)
+    else:
+        values = torch.randint(-128, 128, (*lead, width), generator=gen, dtype=torch.int8)
+    scales = torch.randint(-2**31, 2**31, (*lead, width // group, 1), generator=gen, dtype=torch.int32)
+    # half of them end in a tie (or next to one) of the cast to bfloat16 or float16, which q of a power of
+    # two keeps exact: round to nearest even is tested where it differs from other roundings
+    ends = torch.tensor([0x8000, 0x7FFF, 0x8001, 0x1000, 0x0FFF], dtype=torch.int32)
+    end = ends[torch.randint(0, len(ends), scales.shape, generator=gen)]
+    tie = torch.rand(scales.shape, generator=gen) < 0.5
+    scales = torch.where(tie, (scales & ~0xFFFF) | end, scales).view(torch.float32)
+    return values, torch.where(scales.isfinite(), scales, torch.ones(()))
