@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -54,6 +58,16 @@ def rss_bytes() -> int:
 
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def run_interpreted(folder: Path, check: str) -> subprocess.CompletedProcess:
+    """Run the Python statement `check` in a fresh Python with TRITON_INTERPRET=1 (Triton's interpreter
+    runs a kernel's own code on the CPU), with `folder` (where the interpreted test module lies) and the
+    package's src/ on its path."""
+    src = Path(__file__).parents[1] / "src"
+    path = os.pathsep.join([str(folder), str(src), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
+    return subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=600)
 
 
 def rss_while(call):

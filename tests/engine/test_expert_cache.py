@@ -6,13 +6,11 @@ their caches fill and replace."""
 from __future__ import annotations
 
 import copy
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_interpreted
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from model_zoo import ZOO, call, same
@@ -306,11 +304,8 @@ def test_the_kernel_run_by_tritons_interpreter_matches_the_reference():
     """The Triton row copy's own code run by Triton's interpreter on the CPU (a fresh Python with
     TRITON_INTERPRET=1) against `copy_rows_reference`."""
     pytest.importorskip("triton")
-    here = Path(__file__).parent
-    path = os.pathsep.join([str(here), str(here.parents[1] / "src"), os.environ.get("PYTHONPATH", "")])
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
-    check = "import interpreted_expert_gather as m; m.check_random_tables()"
-    run = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=600)
+    run = run_interpreted(Path(__file__).parent, "import interpreted_expert_gather as m; "
+                          "m.check_random_tables()")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
 
 

@@ -4,13 +4,11 @@ the reference (Triton's interpreter)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_interpreted
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -101,9 +99,6 @@ def test_the_kernel_run_by_tritons_interpreter_matches_the_reference():
     TRITON_INTERPRET=1) against `dequantize`, bit for bit, over hypothesis-drawn shapes, bits, groups
     and dtypes."""
     pytest.importorskip("triton")
-    here = Path(__file__).parent
-    path = os.pathsep.join([str(here), str(here.parents[1] / "src"), os.environ.get("PYTHONPATH", "")])
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path)
-    check = "import interpreted_dequant_kernel as m; m.check_random_weights()"
-    run = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=600)
+    run = run_interpreted(Path(__file__).parent, "import interpreted_dequant_kernel as m; "
+                          "m.check_random_weights()")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
