@@ -16,6 +16,7 @@ from conftest import make_model, weight_bytes
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_loop import plain_greedy, repetitive_prompt
+from test_verify import assert_branches_match_causal_forwards
 from transformers.masking_utils import sliding_window_causal_mask_function
 
 import weightstream as ws
@@ -126,15 +127,7 @@ def test_each_branch_of_a_tree_sees_what_a_causal_forward_of_that_branch_sees(ar
     forward.prefill(prefix)
     logits = forward.run(tree.tokens, tree_positions(shape, start), torch.arange(shape.tokens) + start,
                          tree_mask(tree, start, 40))
-    for branch in branches:
-        full = torch.cat([prefix, torch.tensor([11] + branch)])
-        want = model(full[None]).logits[0, start:]
-        node, rows = 0, [0]
-        for token in branch:
-            node = next(c for c in tree.children(node) if int(tree.tokens[c]) == token)
-            rows.append(node)
-        assert torch.allclose(logits[rows], want, atol=1e-5)
-        assert torch.equal(logits[rows].argmax(-1), want.argmax(-1))
+    assert_branches_match_causal_forwards(model, prefix, tree, 11, branches, logits)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

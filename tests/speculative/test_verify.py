@@ -27,9 +27,15 @@ def test_each_branch_of_a_tree_sees_what_a_causal_forward_of_that_branch_sees():
     forward.prefill(prefix)
     logits = forward.run(tree.tokens, tree_positions(shape, 5), torch.arange(shape.tokens) + 5,
                          tree_mask(tree, 5, 32))
+    assert_branches_match_causal_forwards(model, prefix, tree, 11, branches, logits)
+
+
+def assert_branches_match_causal_forwards(model, prefix, tree, root: int, branches, logits) -> None:
+    """Each branch's rows of a tree forward's `logits` (the root `root`, then the branch's tokens) are
+    what a plain causal forward of prefix + root + branch gives at those positions."""
     for branch in branches:
-        full = torch.cat([prefix, torch.tensor([11] + branch)])
-        want = model(full[None]).logits[0, 5:]
+        full = torch.cat([prefix, torch.tensor([root] + branch)])
+        want = model(full[None]).logits[0, len(prefix):]
         node, rows = 0, [0]
         for token in branch:
             node = next(c for c in tree.children(node) if int(tree.tokens[c]) == token)
