@@ -85,7 +85,7 @@ def test_a_module_on_the_gpu_reads_its_weight_through_the_kernel(bits, kernel_ca
         assert torch.equal(linear(x), nn.functional.linear(x, want, bias)) and kernel_calls[0] == 2
 
 
-@pytest.mark.parametrize("mode", [True, "reduce-overhead"])
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
 def test_the_kernel_compiles_in_one_graph_and_equals_the_reference(mode):
     torch._dynamo.reset()
     linear = nn.Linear(1000, 96).to(torch.bfloat16).cuda().requires_grad_(False)
