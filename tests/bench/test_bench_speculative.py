@@ -47,6 +47,18 @@ def test_a_checkpoint_adds_plain_and_speculative_generation_rows_with_the_plain_
         assert rows[method]["tokens_per_s"] > 0 and "accepted_per_pass" in rows[method]["setup"]
 
 
+@pytest.mark.slow
+def test_generation_rows_run_in_each_mode_and_compiled_ones_keep_the_plain_tokens(tmp_path, checkpoint):
+    folder, _ = checkpoint
+    doc = run(tmp_path, "--checkpoint", str(folder), "--trees", "2", "--new-tokens", "6", "--prompts", "2",
+              "--tree", "2x2", "--budgets", "0.75", "--modes", "eager,compiled")
+    generation = [r for r in doc["results"] if r["phase"] == "generate-6"]
+    assert sorted({(r["method"], r["mode"]) for r in generation}) == sorted(
+        (r["method"], mode) for r in generation if r["mode"] == "eager" for mode in ("eager", "compiled"))
+    for row in generation:
+        assert row["error"] is None and row["exact"] in ((None,) if row["method"] == "ws-plain" else (True,))
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--kind", "speculative", "--shape", "tiny", "--trees", "0"], "--trees: give at least 1"),
     (["--kind", "speculative", "--shape", "tiny", "--trees", "a"], "give whole numbers"),

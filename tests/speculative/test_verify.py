@@ -64,3 +64,19 @@ def test_compiled_fullgraph_offloaded_equals_the_resident_reference_with_one_gra
     assert torch.equal(runs[0].tokens, runs[1].tokens) and torch.equal(runs[0].logits, runs[1].logits)
     eager = ws.generate(ref, ids, 12, draft="prompt-lookup", width=2, depth=3, eos_token_id=[])
     assert torch.equal(eager.tokens, runs[1].tokens)
+
+
+@pytest.mark.slow
+def test_compiled_generations_of_prompts_of_different_lengths_share_one_graph():
+    model = make_model("llama")
+    eager = copy.deepcopy(model)
+    ws.offload(model, gpu_memory=int(weight_bytes(model) * 0.5), device="cpu", strategy="stream")
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    for length in (9, 40, 23):  # one cache bucket: one compiled verify forward for all three
+        ids = torch.randint(0, 6, (1, length), generator=torch.Generator().manual_seed(length))
+        run = ws.generate(model, ids, 10, draft="prompt-lookup", width=2, depth=2, compile=True,
+                          eos_token_id=[])
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+        plain = ws.generate(eager, ids, 10, draft="prompt-lookup", width=2, depth=2, eos_token_id=[])
+        assert torch.equal(run.tokens, plain.tokens)

@@ -18,7 +18,9 @@ against plain decoding of an offloaded causal LM.
    plain run's; the setup holds the scheme, the split, the draft's bytes, the mean drafted tokens
    accepted per pass, the share of prompts whose tokens are identical and, per prompt, the first new
    token that differs (None: none; in low precision a near-tie can flip where the verify forward's
-   GEMM shapes differ from a one-token forward's).
+   GEMM shapes differ from a one-token forward's). One set of rows per mode of `--modes` (eager,
+   compiled, graph: the plain run's forward too); a small model is bound by kernel launches when eager,
+   so its tokens/s compare only within a mode.
 3. `ws-self-draft` rows (phase `draft-step-W`, W = 1 and the tree's width): one step of the int4 g128
    self-draft of the model offloaded at each budget (its copies beside the budget here: a step's cost
    does not depend on where the budget line is drawn), the forward the draft runs per tree level; it
@@ -42,6 +44,7 @@ from ..errors import BudgetError
 from ..offload import handle_of, offload
 from ..speculative import SelfDraft, generate, offload_with_draft
 from ..speculative.cache import TreeCache
+from ..speculative.loop import CACHE_BUCKET
 from ..speculative.tree import TreeShape, causal_mask, tree_from_chains, tree_mask, tree_positions
 from ..speculative.verify import TreeForward
 from .measure import fill_row, h2d_bandwidth, measure
@@ -162,9 +165,10 @@ def _timed(row: ResultRow, call, reps: int, device: torch.device, bandwidth: flo
 
 
 def generation_rows(model: nn.Module, tokenizer, budget: int, new_tokens: int, count: int, width: int,
-                    depth: int, device: torch.device) -> list[ResultRow]:
-    """`ws-plain` and `ws-speculative-<draft>` rows over `count` prompts (module docstring); `model` is
-    resident on `device` (it is offloaded here for each row, and restored after it)."""
+                    depth: int, device: torch.device, modes: tuple[str, ...] = ("eager",)) -> list[ResultRow]:
+    """`ws-plain` and `ws-speculative-<draft>` rows over `count` prompts in each of `modes` (module
+    docstring); `model` is resident on `device` (it is offloaded here for each row, and restored after
+    it)."""
     prompts = [tokenizer.apply_chat_template(
         [{"role": "user", "content": f"Explain in simple words what this passage says:\n\n{text}"}],
         add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"].to(device)
@@ -175,22 +179,39 @@ def generation_rows(model: nn.Module, tokenizer, budget: int, new_tokens: int, c
         runs.append((f"ws-speculative-self-int{bits}-g{SELF_GROUP}", bits,
                      f"self: int{bits} symmetric, groups of {SELF_GROUP}, weights of 2+ dimensions of the "
                      "blocks off the GPU, in the budget"))
+    rows = []
+    for mode in modes:
+        rows += _generation_rows(model, prompts, runs, budget, new_tokens, width, depth, device, mode)
+    return rows
+
+
+def _generation_rows(model: nn.Module, prompts: list, runs: list, budget: int, new_tokens: int, width: int,
+                     depth: int, device: torch.device, mode: str) -> list[ResultRow]:
+    """`generation_rows` in one mode: the verify and draft forwards eager, compiled or from CUDA graphs
+    (the plain run too: one token per pass through the same forward)."""
     plain: list[torch.Tensor] = []
     rows = []
+    compile = COMPILE[mode]
     for method, kind, scheme in runs:
         draft = SelfDraft(bits=kind, group=SELF_GROUP) if isinstance(kind, int) else kind
         try:
             split = offload_with_draft(model, budget, draft, device=device)
         except BudgetError as err:  # recorded, the run goes on
-            rows.append(ResultRow(method, f"generate-{new_tokens}", budget, "eager", error=first_line(err),
+            rows.append(ResultRow(method, f"generate-{new_tokens}", budget, mode, error=first_line(err),
                                   reference="ws-plain (greedy, one token per pass)", setup={"draft": scheme}))
             log(f"{method}: {rows[-1].error}")
             continue
-        generate(model, prompts[0], 4, draft=draft, width=width, depth=depth)  # warm-up (builds a self-draft)
+        # warm-up: builds a self-draft; compiled, one prompt per cache bucket (`loop.CACHE_BUCKET`: the
+        # cache's length, which shapes the compiled forwards, is rounded up to a multiple of it)
+        buckets = {(ids.shape[1] + new_tokens + 1 + width * depth) // CACHE_BUCKET: ids for ids in prompts}
+        for ids in (buckets.values() if compile else prompts[:1]):
+            generate(model, ids, new_tokens if compile else 4, draft=draft, width=width, depth=depth,
+                     compile=compile, eos_token_id=[])
         per_token, accepted, same, first = [], [], [], []
         for i, ids in enumerate(prompts):
             start = time.perf_counter()
-            out = generate(model, ids, new_tokens, draft=draft, width=width, depth=depth, eos_token_id=[])
+            out = generate(model, ids, new_tokens, draft=draft, width=width, depth=depth, compile=compile,
+                           eos_token_id=[])
             per_token.append((time.perf_counter() - start) * 1e3 / out.stats.new_tokens)
             accepted.append(out.stats.accepted_per_pass)
             if draft is None:
@@ -200,7 +221,7 @@ def generation_rows(model: nn.Module, tokenizer, budget: int, new_tokens: int, c
                 differs = (out.tokens[0] != plain[i][0]).nonzero()
                 first.append(int(differs[0]) - ids.shape[1] if len(differs) else None)
         stats = handle_of(model).stats
-        row = ResultRow(method, f"generate-{new_tokens}", budget, "eager", tokens=1, reps=len(prompts),
+        row = ResultRow(method, f"generate-{new_tokens}", budget, mode, tokens=1, reps=len(prompts),
                         median_ms=statistics.median(per_token), min_ms=min(per_token), max_ms=max(per_token),
                         tokens_per_s=1e3 / statistics.median(per_token), link_bytes=link_bytes(stats),
                         exact=None if draft is None else all(same),
@@ -211,8 +232,8 @@ def generation_rows(model: nn.Module, tokenizer, budget: int, new_tokens: int, c
                                "accepted_per_pass": statistics.mean(accepted), "stats": asdict(stats),
                                "identical_share": sum(same) / len(same) if same else None,
                                "first_difference": first})
-        log(f"{method}: {row.tokens_per_s:.2f} tokens/s, {row.setup['accepted_per_pass']:.2f} drafted tokens "
-            f"accepted per pass, exact {row.exact}")
+        log(f"{method} {mode}: {row.tokens_per_s:.2f} tokens/s, {row.setup['accepted_per_pass']:.2f} drafted "
+            f"tokens accepted per pass, exact {row.exact}")
         rows.append(row)
         draft = out = None  # a self-draft's copies leave the device before the next row
         handle_of(model).restore()
@@ -284,7 +305,8 @@ def run_speculative(shape: str, budgets: list, trees: list[int], modes: list[str
             write_json(doc, out_path)
         handle_of(model).restore()
         if resident is not None:
-            for row in generation_rows(resident, tokenizer, budget, new_tokens, prompts, *tree, device):
+            for row in generation_rows(resident, tokenizer, budget, new_tokens, prompts, *tree, device,
+                                       tuple(modes)):
                 doc["results"].append(asdict(row))
                 write_json(doc, out_path)
             del resident

@@ -39,6 +39,10 @@ from .shape_costs import auto_shape
 from .tree import TreeShape, path_moves, tree_mask, tree_positions
 from .verify import TreeForward
 
+# a compiled generation's cache is a multiple of this many positions, so that prompts of different
+# lengths reuse one compiled verify (and draft) forward instead of compiling again for each length
+# (torch.compile stops compiling after a few recompiles of a frame and then runs it eagerly)
+CACHE_BUCKET = 256
 
 @dataclass(frozen=True)
 class GenerationStats:
@@ -175,9 +179,11 @@ def generate(
     greedy: the tokens equal the model's own greedy decoding wherever a forward over the tree ranks the
     tokens as a one-token forward does. eos_token_id: stop after it (default: the model's
     generation_config). compile: torch.compile(fullgraph=True) of the verify and draft forwards, or a
-    compile mode ("reduce-overhead": CUDA graphs); the prefill runs eagerly. cache_memory: bytes (or
-    "2GiB") the KV caches, a verify pass and a self-draft's low-bit copies may take (default: the GPU's
-    free memory; no limit on the CPU). output_logits: keep the logits each token was chosen from.
+    compile mode ("reduce-overhead": CUDA graphs); the prefill runs eagerly; the KV cache is then
+    rounded up to a multiple of CACHE_BUCKET positions, so later calls whose prompt and new tokens fit
+    the same multiple reuse the compiled forwards (another multiple compiles once more). cache_memory:
+    bytes (or "2GiB") the KV caches, a verify pass and a self-draft's low-bit copies may take (default:
+    the GPU's free memory; no limit on the CPU). output_logits: keep the logits each token was chosen from.
     progress: a tqdm bar with tokens/s.
 
     Raises ArgumentError for a model that is not a causal LM, a draft of another vocabulary, a tree or
@@ -222,6 +228,8 @@ def generate(
     if draft_model is not None:
         check_length(draft_model.config, prompt.numel(), max_new_tokens, room_depth)
     length = max(length, prompt.numel() + max_new_tokens - 1 + room_tokens)  # the last tree's slots
+    if compile:  # compiled forwards are shaped by the cache: prompts of similar length share one graph
+        length = -(-length // CACHE_BUCKET) * CACHE_BUCKET
     device = _device(model)
     need = generation_bytes(model, draft_model, length, room_tokens, vocab)
     self_draft = drafter if isinstance(drafter, SelfDraft) else None
