@@ -469,3 +469,23 @@ def test_eager_blocks_see_the_callers_tensors_and_never_a_slot_the_next_copy_ove
     still be copied before the next group lands)."""
     monkeypatch.setattr(ws.engine.streamed, "EAGER_DIRECT", direct)
     check_peek_model("cpu", n=4, dim=16, forwards=2)
+
+
+def test_on_the_cpu_auto_reads_blocks_in_place_and_stream_runs_the_schedule_as_the_readme_says():
+    """README (Install): on the CPU backend `strategy="auto"` reads blocks in place (nothing streams)
+    and `strategy="stream"` runs the streaming schedule; both exact."""
+    from conftest import make_model
+
+    readme = (__import__("pathlib").Path(__file__).parents[1] / "README.md").read_text()
+    assert 'there `strategy="auto"` reads blocks in place; `strategy="stream"` runs the streaming' in readme
+    ref = make_model("llama")
+    ids = torch.randint(0, 100, (1, 6))
+    expected = ref(ids).logits
+    for strategy, kind in (("auto", "uva"), ("stream", "stream")):
+        model = copy.deepcopy(ref)
+        handle = ws.offload(model, gpu_memory=weight_bytes(model) // 2, device="cpu", strategy=strategy)
+        stats = handle.stats
+        assert stats.placement_kind == kind
+        assert (stats.streamed_bytes > 0 and stats.groups > 0) == (strategy == "stream")
+        assert stats.uva_bytes > 0 or strategy == "stream"
+        assert torch.equal(model(ids).logits, expected)

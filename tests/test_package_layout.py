@@ -138,3 +138,10 @@ def test_a_model_dropped_while_torch_compile_traces_leaves_the_registration_hook
     ws.offload(model, gpu_memory=8 * 8 * 4 * 3, device="cpu", blocks=[""], strategy="stream").restore()
     assert not engine.process_hooks_installed()
     assert dict(nn.modules.module._global_module_registration_hooks) == registration
+
+
+def test_the_license_file_is_the_one_pyproject_names():
+    root = Path(__file__).parents[1]
+    text = (root / "LICENSE").read_text()
+    assert "Apache License" in text and "Version 2.0" in text
+    assert 'license = { text = "Apache-2.0" }' in (root / "pyproject.toml").read_text()

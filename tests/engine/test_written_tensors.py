@@ -537,3 +537,50 @@ def test_edit_of_a_model_loaded_with_from_pretrained_says_how_to_edit_it(checkpo
         with handle.edit():
             pass
     assert not handle.restored
+
+
+def test_a_peft_adapter_added_to_an_offloaded_llm_runs_exactly_and_merges_inside_edit():
+    """`inject_adapter_in_model` after `ws.offload` (the adapter's new layers wrap streamed Linears):
+    exact against the resident model given the same adapter, unmerged and merged inside `edit()`; the
+    base weights still stream."""
+    from conftest import hf_config, weight_bytes
+    from peft import LoraConfig, inject_adapter_in_model, set_peft_model_state_dict
+    from peft.utils import get_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    ref = AutoModelForCausalLM.from_config(hf_config("llama")).eval().requires_grad_(False)
+    model = copy.deepcopy(ref)
+    handle = ws.offload(model, gpu_memory=weight_bytes(model) // 2, device="cpu", strategy="stream")
+    streamed = handle.stats.streamed_bytes
+    assert streamed > 0
+    ids = torch.randint(0, 128, (1, 8))
+    before = ref(ids).logits
+    config = LoraConfig(r=4, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
+    torch.manual_seed(1)
+    inject_adapter_in_model(config, ref)
+    adapter = {k: v.clone() for k, v in get_peft_model_state_dict(ref).items()}
+    inject_adapter_in_model(config, model)
+    set_peft_model_state_dict(model, adapter)
+    expected = ref(ids).logits
+    assert not torch.equal(expected, before)  # the adapter changes the output
+    # PEFT's new adapter weights require gradients: autograd through streamed blocks is refused, saying
+    # what to do (no_grad, or gradients off)
+    with pytest.raises(ws.InferenceOnlyError, match="torch.no_grad"):
+        model(ids)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, expected)
+    model.requires_grad_(False)
+    assert torch.equal(model(ids).logits, expected)
+    assert handle.stats.streamed_bytes == streamed
+    layers = [m for m in model.modules() if hasattr(m, "merge") and hasattr(m, "lora_A")]
+    ref_layers = [m for m in ref.modules() if hasattr(m, "merge") and hasattr(m, "lora_A")]
+    assert len(layers) == len(ref_layers) > 0
+    with handle.edit():
+        for layer in layers:
+            layer.merge()
+    for layer in ref_layers:
+        layer.merge()
+    assert torch.equal(model(ids).logits, ref(ids).logits)
+    handle.restore()
+    assert same_state(model, ref)
