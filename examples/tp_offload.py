@@ -32,11 +32,32 @@ def tp_plan(n_layers: int) -> dict:
     return plan
 
 
+def need_what_it_takes(device: str) -> bool:
+    """Check, before any process group starts, what this run needs: torchrun's environment, and for
+    --device cuda a CUDA GPU per rank on this host; say what is missing and the way out."""
+    world = os.environ.get("WORLD_SIZE")
+    if world is None:
+        print("run under torchrun, which starts the ranks: torchrun --nproc_per_node 2 "
+              "examples/tp_offload.py [--device cpu]")
+        return False
+    if device not in ("cuda", "cpu"):
+        print(f"--device {device}: give cuda (one GPU per rank) or cpu (gloo ranks, a tiny model)")
+        return False
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if device == "cuda" and torch.cuda.device_count() < local:
+        print(f"--device cuda runs one GPU per rank: {local} ranks on this host, {torch.cuda.device_count()} "
+              "CUDA GPUs; start fewer ranks, or run with --device cpu")
+        return False
+    return True
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--fraction", type=float, default=0.25, help="GPU budget per rank, of its shard's bytes")
     args = ap.parse_args()
+    if not need_what_it_takes(args.device):
+        raise SystemExit(2)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
     from transformers import AutoModelForCausalLM, LlamaConfig

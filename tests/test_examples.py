@@ -38,3 +38,21 @@ def test_flux_example_says_what_it_needs_before_building_anything():
     assert result.returncode == 2, result.stdout + result.stderr
     assert "needs a CUDA GPU" in result.stdout and "--tiny --device cpu" in result.stdout
     assert "random weights" not in result.stdout  # nothing was built
+
+
+@pytest.mark.parametrize("environment, argv, message", [
+    ({}, [], "run under torchrun"),
+    ({"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "RANK": "0"}, ["--device", "tpu"], "give cuda"),
+    ({"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "RANK": "0", "CUDA_VISIBLE_DEVICES": ""},
+     ["--device", "cuda"], "start fewer ranks, or run with --device cpu"),
+])
+def test_tensor_parallel_example_says_what_it_needs_before_starting_ranks(environment, argv, message):
+    """Without torchrun, with an unknown device, or with fewer GPUs than ranks: one line with the way
+    out, exit 2, before any process group starts."""
+    env = {k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "RANK")}
+    env.update(environment, PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    command = [sys.executable, str(ROOT / "examples" / "tp_offload.py"), *argv]
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert message in result.stdout and len(result.stdout.strip().splitlines()) == 1
+    assert "Traceback" not in result.stderr
