@@ -63,6 +63,7 @@ class OffloadConfig:
     blocks: Sequence[str] | None = None
     keep_resident: Collection[str] = ()
     placement: Placement | None = None
+    expert_cache: bool = True
 
     def __post_init__(self) -> None:
         put = object.__setattr__
@@ -105,6 +106,9 @@ class OffloadConfig:
         if self.blocks is not None:
             put(self, "blocks", tuple(self.blocks))
         put(self, "keep_resident", tuple(self.keep_resident))
+        if not isinstance(self.expert_cache, bool):
+            raise ArgumentError(f"expert_cache={self.expert_cache!r}: give True (a GPU expert cache where "
+                                "the planner predicts it faster) or False (none)")
         if self.placement is not None and not isinstance(self.placement, Placement):
             raise ArgumentError(f"placement={type(self.placement).__name__}: give a weightstream.Placement "
                                 "(plan.placement_of makes one) or None to let the planner choose")

@@ -32,6 +32,7 @@ def offload(
     compress: bool | str = "auto",
     check: bool | None = None,
     keep_resident: Collection[str] = (),
+    expert_cache: bool = True,
 ) -> OffloadHandle | PipelineHandle:
     """Offload `model` in place so its weights take at most `gpu_memory` on `device`; return the handle.
 
@@ -78,6 +79,11 @@ def offload(
     keep_resident: qualified names of parameters or buffers (as `model.state_dict()` names them) to
         keep on the device, counted in `gpu_memory`: state the model writes (a KV cache in buffers),
         so it is resident from the start, also for a model compiled before its first forward.
+    expert_cache: for a mixture of experts whose routed experts are read in place, let the planner
+        spend budget it leaves on a GPU expert cache per layer (slots of hot experts, filled by
+        frequency, then least recently used; docs/architecture.md) where its cost model predicts it
+        faster (True, the default); False: no cache. `handle.stats` reports `cache_bytes` and, while
+        `handle.count_experts()` is on, `expert_hit_rate`.
 
     A tensor a block writes in its forward (a buffer it updates in place) is state, not a weight: it
     stays resident from that forward on, counted in `gpu_memory` (a warning names it; BudgetError where
@@ -92,7 +98,7 @@ def offload(
     """
     config = config_of(gpu_memory, device=device, pin_memory=pin_memory, blocks=blocks, strategy=strategy,
                        tokens=tokens, profile=profile, placement=placement, compress=compress, check=check,
-                       keep_resident=keep_resident)
+                       keep_resident=keep_resident, expert_cache=expert_cache)
     if is_pipeline(model):  # a diffusers pipeline: one budget over its components (pipeline.py)
         per_model = (("blocks", config.blocks, None), ("tokens", config.tokens, 1),
                      ("placement", config.placement, None), ("keep_resident", config.keep_resident, ()))

@@ -335,3 +335,26 @@ def test_the_planner_caches_experts_only_where_the_cost_model_says_it_pays(token
                 assert same(call(twin, batch), call(model, batch))
             handle.restore()
     assert any(chosen) == (tokens > 1), chosen
+
+
+def test_offload_expert_cache_false_plans_no_cache_where_the_default_plans_one():
+    """`offload(..., expert_cache=False)` (also through an OffloadConfig): the same budget, tokens and
+    strategy that get a cache by default get none; both exact. A value other than a bool is refused."""
+    model, inputs = ZOO["mixtral"]()
+    model = model.eval().requires_grad_(False)
+    cost = prepare(model, gpu_memory=2**40, device="cpu").cost
+    dense = cost.fixed_bytes + sum(b - r for b, r in zip(cost.block_bytes, cost.routed_bytes, strict=True))
+    budget = dense + int(0.6 * sum(cost.routed_bytes))
+    batch = inputs_like(inputs, 0)
+    expected = call(model, batch)
+    cache_bytes = {}
+    for switch in (True, False):
+        twin = copy.deepcopy(model)
+        config = ws.OffloadConfig(budget, device="cpu", tokens=2048, strategy="uva", expert_cache=switch)
+        handle = ws.offload(twin, config)
+        cache_bytes[switch] = handle.stats.cache_bytes
+        assert same(call(twin, batch), expected)
+        handle.restore()
+    assert cache_bytes[True] > 0 and cache_bytes[False] == 0
+    with pytest.raises(ws.ArgumentError, match="expert_cache='no': give True"):
+        ws.offload(copy.deepcopy(model), budget, device="cpu", expert_cache="no")

@@ -251,7 +251,7 @@ def prepare(
     if placement is None:
         profile = load_profile(device) if profile is None else profile
         placement = plan(cost, budget, tokens, profile, strategy, host_bytes=host_bytes, compress=compress,
-                         experts_apart=experts_apart)
+                         experts_apart=experts_apart, expert_cache=config.expert_cache)
     elif placement.gpu_bytes > budget or max(placement.streamed + placement.uva, default=-1) >= len(found):
         raise ArgumentError(
             f"the given placement needs {format_size(placement.gpu_bytes)} of GPU memory for blocks up to "
