@@ -10,6 +10,7 @@
 #                the load's host peak (target: at most cpu_memory + 2 GiB) and the image against the
 #                resident pipeline's (about 6 minutes; writes about 31 GiB to a temp folder)
 #     moe        qwen3-30b-a3b at 8 GiB, decode: experts read apart against whole blocks (about 5)
+#     moe-shapes deepseek-v2-lite and gpt-oss-20b at 8 GiB, decode, as `moe` (about 6)
 #     moe-prefill  the same at a 2048-token prefill: streamed, read in place (the planner may add a GPU
 #                expert cache), auto; expert bytes per token and cache hit rate per row (about 6)
 #     spec       verify-pass ms by tree size on Llama-3-8B at 25%, and SmolLM2 speculative against
@@ -67,6 +68,13 @@ moe)
         --methods resident,ws-uva-whole-blocks,ws-uva,ws-auto --reps 10 --no-timeline --max-seconds 280 \
         --method-seconds 90 --out "$OUT/suite_qwen3-30b-a3b_experts.json" 2>&1 \
         | tee "$OUT/suite_qwen3-30b-a3b_experts.log" | grep "^\[" | tail -12 ;;
+moe-shapes)
+    for shape in deepseek-v2-lite gpt-oss-20b; do
+        bench --shape "$shape" --budgets 8GiB --phases decode-b1 --modes eager,graph-eager \
+            --methods resident,ws-uva-whole-blocks,ws-auto --reps 10 --no-timeline --max-seconds 200 \
+            --method-seconds 80 --out "$OUT/suite_${shape}_experts.json" 2>&1 \
+            | tee "$OUT/suite_${shape}_experts.log" | grep "^\[" | tail -8
+    done ;;
 moe-prefill)
     bench --shape qwen3-30b-a3b --budgets 8GiB --phases prefill-2048 --modes eager \
         --methods resident,ws-stream,ws-uva,ws-auto --reps 5 --no-timeline --max-seconds 400 \
@@ -78,5 +86,5 @@ spec)
     spec_smollm2 ;;
 spec-smollm2)
     spec_smollm2 ;;
-*) echo "unknown part $1 (tests-a, tests-b, lora, load, moe, moe-prefill, spec, spec-smollm2, keep-a)" >&2; exit 2 ;;
+*) echo "unknown part $1 (tests-a, tests-b, lora, load, moe, moe-shapes, moe-prefill, spec, spec-smollm2, keep-a)" >&2; exit 2 ;;
 esac
