@@ -5,6 +5,7 @@ link-bound verify picks a large tree and a compute-bound one a small one, the ac
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -140,3 +141,22 @@ def test_the_shape_is_chosen_again_from_the_measured_acceptance_and_stays_exact(
     assert kept.shapes == ((first.width, first.depth, kept.passes),) and kept.measured_acceptance is None
     with pytest.raises(ArgumentError, match="rechoose_after"):
         ws.generate(model, ids, 4, width="auto", rechoose_after=0)
+
+
+def test_a_draft_predicted_slower_than_plain_decoding_warns_and_a_cheap_one_does_not():
+    """A resident model drafting for itself: each draft step is predicted to cost what a verify forward
+    costs, so no tree beats one token per pass: generate warns with both figures and the way out, and
+    goes on exactly. Prompt lookup on an offloaded model (no draft step): no warning."""
+    model = make_model("llama")
+    ids = repetitive_prompt(3)
+    with pytest.warns(UserWarning, match=r"predicted slower than plain decoding.*draft=None"):
+        out = ws.generate(model, ids, 8, draft="self", width="auto", depth="auto", eos_token_id=[])
+    stats = out.stats
+    assert stats.predicted_tokens_per_second < stats.predicted_plain_tokens_per_second
+    assert torch.equal(out.tokens, plain_greedy(model, ids, 8))
+    offloaded_model = offloaded(make_model("llama"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        stats = ws.generate(offloaded_model, ids, 8, draft="prompt-lookup", width="auto", depth="auto",
+                            eos_token_id=[]).stats
+    assert stats.predicted_tokens_per_second > stats.predicted_plain_tokens_per_second

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import sys
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -63,6 +64,9 @@ class GenerationStats:
     # width="auto" / depth="auto": the decode tokens/s the cost model predicted for the chosen shape
     # (`shape_choice.py`), beside the measured `decode_tokens_per_second`; None for a shape given
     predicted_tokens_per_second: float | None = None
+    # the same model's prediction for plain decoding (one token per verify forward); where it is the
+    # higher, generate warned (`warn_if_slower`)
+    predicted_plain_tokens_per_second: float | None = None
     # (width, depth, passes) of each shape run, in order: two where an automatic shape was chosen again
     # from the measured acceptance and came out different
     shapes: tuple[tuple[int, int, int], ...] = ()
@@ -105,7 +109,8 @@ class GenerationStats:
                 f"{self.verify_ms:.0f} ms" + (f"; draft weights {format_size(self.draft_bytes)} on the device"
                                               if self.draft_bytes else "")
                 + (f"; shape chosen by the cost model, predicted {self.predicted_tokens_per_second:.2f} "
-                   f"decode tokens/s, measured {self.decode_tokens_per_second:.2f}"
+                   f"decode tokens/s (plain decoding {self.predicted_plain_tokens_per_second:.2f}), "
+                   f"measured {self.decode_tokens_per_second:.2f}"
                    if self.predicted_tokens_per_second is not None else "")
                 + (f"; chosen again after {self.shapes[0][2]} passes from the measured acceptance "
                    f"{self.measured_acceptance:.2f}: "
@@ -141,6 +146,23 @@ def _device(model: nn.Module) -> torch.device:
     return model.get_input_embeddings().weight.device
 
 
+def warn_if_slower(choice, auto, draft: str, acceptance: str) -> bool:
+    """Warn where the chosen shape's predicted tokens/s is below plain decoding's (a draft step too
+    costly beside the verify forward, or too little accepted); True when it warned."""
+    plain = auto.plain_tokens_per_second
+    if choice.tokens_per_second >= plain:
+        return False
+    cheaper = "" if draft == "prompt-lookup" else ", or a cheaper draft (prompt-lookup)"
+    warnings.warn(
+        f"weightstream: speculative decoding with the {draft} draft is predicted slower than plain "
+        f"decoding here ({acceptance} acceptance {choice.acceptance:.2f} a level): "
+        f"{choice.tokens_per_second:.3g} against {plain:.3g} tokens/s for the best tree, {choice.width}x"
+        f"{choice.depth}, whose draft steps take {choice.draft_ms:.3g} ms beside a {choice.verify_ms:.3g} "
+        f"ms verify forward; it goes on as asked: pass draft=None for one token per pass{cheaper}",
+        stacklevel=3)
+    return True
+
+
 def generate(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -171,7 +193,8 @@ def generate(
     width, depth: the tree of every verify pass, `1 + width * depth` tokens (width 1: a chain); "auto"
     for either: chosen once, before the prefill, to maximise the decode tokens/s the placement's cost
     model predicts with the draft's prior acceptance (`shape_choice.py`; widths 1..8, depths 1..12,
-    trees of at most 128 tokens), reported in `stats.predicted_tokens_per_second`; chosen once more
+    trees of at most 128 tokens), reported in `stats.predicted_tokens_per_second` beside plain
+    decoding's prediction (a UserWarning where the best tree is predicted slower); chosen once more
     after `rechoose_after` passes (None: never) from the acceptance those passes measured, kept for the
     rest of the call (a compiled forward compiles once more where the shape changes; `stats.shapes`).
     do_sample: rejection sampling from the model's distribution under temperature / top_k / top_p (as
@@ -210,11 +233,13 @@ def generate(
         raise ArgumentError(f"rechoose_after={rechoose_after!r}: give a number of passes of at least 1, or "
                             "None to keep the first automatic shape")
     auto = choice = None
+    warned = False
     if draft is not None:
         TreeShape(1 if width == "auto" else width, 0 if depth == "auto" else depth)  # a bad integer: now
         auto = auto_shape(model, drafter, width, depth,
                           max_depth(model.config, ids.shape[1], max_new_tokens), compile)
         choice = auto.choose() if auto is not None else None
+        warned = choice is not None and warn_if_slower(choice, auto, drafter.name, "prior")  # once a call
     shape = (TreeShape(choice.width, choice.depth) if choice is not None
              else TreeShape(width, depth) if draft is not None else TreeShape(1, 0))
     rechoose = auto is not None and rechoose_after is not None
@@ -296,6 +321,7 @@ def generate(
         if rechoose and measured is None and len(accepted) == rechoose_after:
             measured = estimate_acceptance(accepted, shape.width, shape.depth, auto.prior)
             choice = auto.choose(measured)
+            warned = warned or warn_if_slower(choice, auto, drafter.name, "measured")
             if (choice.width, choice.depth) != shape.dims:  # one shape at a time, static from here on
                 shape = TreeShape(choice.width, choice.depth)
                 runs.append([shape.width, shape.depth, 0])
@@ -318,5 +344,6 @@ def generate(
         width=shape.width, depth=shape.depth, draft=drafter.name,
         draft_bytes=drafter.device_bytes() if hasattr(drafter, "device_bytes") else 0,
         predicted_tokens_per_second=choice.tokens_per_second if choice is not None else None,
+        predicted_plain_tokens_per_second=auto.plain_tokens_per_second if auto is not None else None,
         shapes=tuple(tuple(run) for run in runs), measured_acceptance=measured)
     return Generation(context[None], stats, torch.cat(kept) if output_logits else None)

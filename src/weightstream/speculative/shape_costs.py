@@ -96,6 +96,11 @@ class AutoShape:
         return choose_shape(a, self.verify_ms, self.draft_step_ms, self.widths, self.depths, self.max_tokens)
 
     @property
+    def plain_tokens_per_second(self) -> float:
+        """Predicted tokens/s of plain decoding, one token per verify forward: what a shape must beat."""
+        return 1e3 / self.verify_ms(1)
+
+    @property
     def largest(self) -> tuple[int, int]:
         """(the most tokens, the most levels) of any candidate tree: what caches are sized for when the
         shape may be chosen again."""
