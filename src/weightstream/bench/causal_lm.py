@@ -82,8 +82,9 @@ GUMBEL_STD = math.pi / math.sqrt(6)
 def routing_skew_text(s: float | None, seed: int) -> str:
     """What a result records of its routing: the synthetic skew, or that there is none."""
     if s is None:
-        return ("routing as the random router weights give it (close to uniform over the experts; no "
-                "synthetic routing skew)")
+        return ("routing as the random weights give it, no synthetic routing skew: the first layer spreads "
+                "a prefill's tokens over nearly every expert, deeper layers over fewer (random weights make "
+                "the tokens' hidden states alike), so a prefill reaches fewer experts than uniform routing")
     return (f"synthetic routing skew: each router's logits are log(rank^-{s:g}) plus its own random rows' "
             f"logits (rows scaled to a Gumbel spread for unit-RMS inputs), so expert popularity follows "
             f"about a Zipf({s:g}) law, over a random permutation of the experts per layer (seed {seed})")
