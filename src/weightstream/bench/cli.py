@@ -76,8 +76,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "projections before any method runs, to measure what it costs")
     p.add_argument("--routing-skew", type=float, default=None, metavar="S",
                    help="mixtures of experts: set each router so expert popularity follows a Zipf(S) law "
-                        "(S > 0; a random permutation per layer, seeded by --seed), recorded as synthetic "
-                        "routing skew; without it routing is what the random weights give (close to uniform)")
+                        "(S >= 0, 0: uniform; a random permutation per layer, seeded by --seed), recorded as "
+                        "synthetic routing skew; without it routing is what the random weights give (deeper "
+                        "layers reach fewer experts at prefill)")
     p.add_argument("--emulate-precision-casts", action="store_true",
                    help="Inductor rounds to bf16 where eager does (compiled exactness, benchmarks/README.md)")
     p.add_argument("--out", default=None,

@@ -188,13 +188,13 @@ def build_model(shape: str, device: torch.device, seed: int = 0) -> nn.Module:
 
 
 def check_routing_skew(shape: str, skew: float | None) -> None:
-    """Raise ValueError unless `skew` is None or a positive Zipf exponent for a mixture-of-experts
-    shape."""
+    """Raise ValueError unless `skew` is None or a Zipf exponent of 0 (uniform) or more for a
+    mixture-of-experts shape."""
     if skew is None:
         return
-    if not skew > 0:  # `not >` also refuses nan
-        raise ValueError(f"--routing-skew {skew:g}: give a positive Zipf exponent (e.g. 1.0), or leave it "
-                         "out")
+    if not skew >= 0:  # `not >=` also refuses nan
+        raise ValueError(f"--routing-skew {skew:g}: give a Zipf exponent of 0 (uniform routing) or more "
+                         "(e.g. 1.0), or leave it out")
     if not get_shape(shape).moe:
         moe = ", ".join(n for n, s in SHAPES.items() if s.moe)
         raise ValueError(f"--routing-skew applies to mixtures of experts, not --shape {shape}: use one of "
