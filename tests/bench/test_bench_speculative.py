@@ -59,12 +59,29 @@ def test_generation_rows_run_in_each_mode_and_compiled_ones_keep_the_plain_token
         assert row["error"] is None and row["exact"] in ((None,) if row["method"] == "ws-plain" else (True,))
 
 
+def test_a_checkpoint_in_bf16_reports_the_share_of_identical_prompts(tmp_path, checkpoint):
+    """In bf16 a near-tie may flip a token (docs/speculative.md): the rows report the share of prompts
+    identical to plain greedy and where each first differs, and the run exits 0 either way."""
+    folder, _ = checkpoint
+    doc = run(tmp_path, "--checkpoint", str(folder), "--trees", "2", "--new-tokens", "6", "--prompts", "3",
+              "--tree", "2x2", "--budgets", "1.0", "--checkpoint-dtype", "bfloat16")
+    assert doc["shape"]["dtype"] == "torch.bfloat16"
+    generation = [r for r in doc["results"] if r["phase"] == "generate-6" and r["method"] != "ws-plain"]
+    assert len(generation) == 3
+    for row in generation:
+        setup = row["setup"]
+        assert 0.0 <= setup["identical_share"] <= 1.0 and len(setup["first_difference"]) == 3
+        assert row["exact"] == (setup["identical_share"] == 1.0)
+        assert all(d is None or 0 <= d < 6 for d in setup["first_difference"])
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--kind", "speculative", "--shape", "tiny", "--trees", "0"], "--trees: give at least 1"),
     (["--kind", "speculative", "--shape", "tiny", "--trees", "a"], "give whole numbers"),
     (["--kind", "speculative", "--shape", "tiny", "--modes", "graph-eager"], "runs eager, compiled or graph"),
     (["--kind", "speculative", "--shape", "tiny", "--tree", "3"], "give WIDTHxDEPTH"),
     (["--kind", "load", "--shape", "tiny", "--trees", "4"], "--trees does not apply to --kind load"),
+    (["--kind", "speculative", "--shape", "tiny", "--checkpoint-dtype", "bfloat16"], "give one, or leave it"),
 ])
 def test_mistakes_are_one_line_and_exit_2(argv, message, tmp_path, capsys):
     assert main(["bench", "--device", "cpu", *argv, "--out", str(tmp_path / "x.json")]) == 2

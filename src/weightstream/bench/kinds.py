@@ -84,6 +84,7 @@ OPTION_KINDS = {
     "--new-tokens": ("new_tokens", ("speculative",)),
     "--prompts": ("prompts", ("speculative",)),
     "--tree": ("tree", ("speculative",)),
+    "--checkpoint-dtype": ("checkpoint_dtype", ("speculative",)),
 }
 
 
@@ -138,6 +139,10 @@ def add_options(p: argparse.ArgumentParser) -> None:
                         "reference; default 8, at most 74)")
     p.add_argument("--tree", default=None, metavar="WIDTHxDEPTH",
                    help="--kind speculative with --checkpoint: the drafted tree (default 4x6)")
+    p.add_argument("--checkpoint-dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                   help="--kind speculative with --checkpoint: the dtype it runs in (default float32; in "
+                        "bf16 or fp16 a near-tie can flip a token: the rows report the share of prompts "
+                        "identical to plain greedy, and the exit status does not count them)")
 
 
 def given(args: argparse.Namespace, attribute: str) -> bool:
@@ -326,11 +331,18 @@ def _speculative(args: argparse.Namespace, command: str) -> int:
     bad = [m for m in args.modes if m not in ("eager", "compiled", "graph")]
     if bad:
         raise ArgumentError(f"--modes {','.join(bad)}: --kind speculative runs eager, compiled or graph")
+    if args.checkpoint_dtype is not None and not args.checkpoint:
+        raise ArgumentError(f"--checkpoint-dtype {args.checkpoint_dtype}: it sets the dtype of a "
+                            "--checkpoint; give one, or leave it out")
+    dtype = args.checkpoint_dtype or "float32"
     doc = run_speculative(args.shape, args.budgets, trees, args.modes, args.reps, device, out_path(args),
                           checkpoint=args.checkpoint, context=args.context or 512,
                           new_tokens=args.new_tokens or 64, prompts=args.prompts or 8,
-                          tree=parse_tree(args.tree or "4x6").dims, seed=args.seed, command=command)
-    return 1 if any(r["exact"] is False for r in doc["results"]) else 0
+                          tree=parse_tree(args.tree or "4x6").dims, seed=args.seed, command=command,
+                          dtype=dtype)
+    # in low precision a flipped near-tie is what the rows measure (docs/speculative.md), not a failure
+    return 1 if any(r["exact"] is False and (dtype == "float32" or not r["phase"].startswith("generate"))
+                    for r in doc["results"]) else 0
 
 
 def _codec(args: argparse.Namespace, command: str) -> int:

@@ -273,7 +273,7 @@ def draft_step_rows(model: nn.Module, budget: int, width: int, modes: list[str],
 def run_speculative(shape: str, budgets: list, trees: list[int], modes: list[str], reps: int,
                     device: torch.device, out_path: str, *, checkpoint: str | None = None, context: int = 512,
                     new_tokens: int = 64, prompts: int = 8, tree: tuple[int, int] = (4, 6), seed: int = 0,
-                    command: str = "") -> dict:
+                    command: str = "", dtype: str = "float32") -> dict:
     """The `--kind speculative` run (module docstring); writes and returns the result document."""
     cuda = device.type == "cuda"
     bandwidth = h2d_bandwidth(device) if cuda else None
@@ -283,7 +283,8 @@ def run_speculative(shape: str, budgets: list, trees: list[int], modes: list[str
 
         folder = smollm2_folder() if checkpoint == SMOLLM2 else Path(checkpoint)
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True).to(device)
+        model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True,
+                                                     dtype=getattr(torch, dtype)).to(device)
         record, weights = {"name": checkpoint, "dtype": str(model.dtype)}, module_bytes(model)
     else:
         weights = shape_weight_bytes(shape)
