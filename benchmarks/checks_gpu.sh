@@ -10,6 +10,8 @@
 #                the load's host peak (target: at most cpu_memory + 2 GiB) and the image against the
 #                resident pipeline's (about 6 minutes; writes about 31 GiB to a temp folder)
 #     moe        qwen3-30b-a3b at 8 GiB, decode: experts read apart against whole blocks (about 5)
+#     moe-skew   qwen3-30b-a3b at 8 GiB, decode, Zipf(1) synthetic routing: ws-auto (planned for
+#                uniform routing) against ws-auto-skew (told the skew: a GPU expert cache) (about 5)
 #     moe-shapes deepseek-v2-lite and gpt-oss-20b at 8 GiB, decode, as `moe` (about 6)
 #     moe-prefill  the same at a 2048-token prefill with uniform synthetic routing (--routing-skew 0:
 #                random weights alone reach few experts in deeper layers): streamed, read in place (the
@@ -73,6 +75,11 @@ moe)
         --methods resident,ws-uva-whole-blocks,ws-uva,ws-auto --reps 10 --no-timeline --max-seconds 280 \
         --method-seconds 90 --out "$OUT/suite_qwen3-30b-a3b_experts.json" 2>&1 \
         | tee "$OUT/suite_qwen3-30b-a3b_experts.log" | grep "^\[" | tail -12 ;;
+moe-skew)
+    bench --shape qwen3-30b-a3b --budgets 8GiB --phases decode-b1 --modes eager,graph-eager --routing-skew 1.0 \
+        --methods resident,ws-auto,ws-auto-skew --reps 10 --no-timeline --max-seconds 280 --method-seconds 90 \
+        --out "$OUT/suite_qwen3-30b-a3b_skew1.json" 2>&1 | tee "$OUT/suite_qwen3-30b-a3b_skew1.log" \
+        | grep "^\[" | tail -8 ;;
 moe-shapes)
     for shape in deepseek-v2-lite gpt-oss-20b; do
         bench --shape "$shape" --budgets 8GiB --phases decode-b1 --modes eager,graph-eager \
@@ -100,5 +107,5 @@ spec)
     spec_smollm2 ;;
 spec-smollm2)
     spec_smollm2 ;;
-*) echo "unknown part $1 (tests-a, tests-b, lora, load, moe, moe-shapes, moe-prefill, spec, spec-smollm2, spec-bf16, spec-32b, keep-a)" >&2; exit 2 ;;
+*) echo "unknown part $1 (tests-a, tests-b, lora, load, moe, moe-skew, moe-shapes, moe-prefill, spec, spec-smollm2, spec-bf16, spec-32b, keep-a)" >&2; exit 2 ;;
 esac

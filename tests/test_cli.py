@@ -295,3 +295,24 @@ def test_generate_on_a_pipeline_folder_refuses_text_options_and_bad_image_option
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("weightstream generate: ") and says in err, err
     assert "image, not text" in err or "drop" not in err
+
+
+def test_plan_with_a_routing_skew_caches_popular_experts_at_decode_and_says_what_it_planned_for(capsys):
+    """qwen3-30b-a3b at 8 GiB: under uniform routing no expert cache at decode; told Zipf(1) routing the
+    planner trades resident blocks for a cache in every layer and predicts a faster decode."""
+    import json
+
+    predicted = {}
+    for skew in (None, "1.0"):
+        argv = ["plan", "qwen3-30b-a3b", "--gpu-memory", "8GiB", "--json"]
+        assert main(argv + (["--routing-skew", skew] if skew else [])) == 0
+        report = json.loads(capsys.readouterr().out)
+        cache = report["expert_cache"]
+        assert bool(cache["blocks"]) == (skew is not None)
+        assert cache["routing_skew"] == (None if skew is None else 1.0)
+        predicted[skew] = report["predicted"]["decode"]["ms"]
+    assert predicted["1.0"] < predicted[None]
+    assert main(["plan", "qwen3-30b-a3b", "--gpu-memory", "8GiB", "--routing-skew", "1.0"]) == 0
+    assert "of the routed reads under Zipf(1) routing" in capsys.readouterr().out
+    assert main(["plan", "qwen3-30b-a3b", "--gpu-memory", "8GiB", "--routing-skew", "-2"]) == 2
+    assert "give the Zipf exponent" in capsys.readouterr().err

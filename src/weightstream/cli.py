@@ -90,6 +90,10 @@ def main(argv: list[str] | None = None) -> int:
                       help="plan for speculative decoding with this draft (as generate --speculate): its "
                            "weights count in --gpu-memory (self: int4 copies of the blocks kept off the "
                            "GPU); the output shows target resident, staging and draft bytes")
+    plan.add_argument("--routing-skew", type=float, default=None, metavar="S",
+                      help="a mixture of experts: plan the GPU expert cache for expert popularity that "
+                           "follows a Zipf(S) law (S >= 0; trained routers are skewed), as "
+                           "offload(routing_skew=S); default: uniform routing")
     plan.add_argument("--json", action="store_true", help="print JSON for tools")
     plan.add_argument("--compress", default="auto", choices=["auto", "true", "false"],
                       help="stream groups losslessly compressed, as offload(compress=...): true, "
@@ -126,7 +130,8 @@ def _run(args: argparse.Namespace) -> int:
         pipeline = os.path.isfile(os.path.join(args.model, "model_index.json"))  # a diffusers pipeline folder
         _check_plan_options(args, pipeline)
         compress = {"auto": "auto", "true": True, "false": False}[args.compress]
-        config = OffloadConfig(args.gpu_memory, strategy=args.strategy, compress=compress)
+        config = OffloadConfig(args.gpu_memory, strategy=args.strategy, compress=compress,
+                               routing_skew=args.routing_skew)
         report = (plan_pipeline(args.model, config, args.steps or DEFAULT_STEPS, dtype=args.dtype,
                                 cpu_memory=args.cpu_memory)
                   if pipeline

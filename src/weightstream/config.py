@@ -17,7 +17,7 @@ import torch
 
 from .devices import resolve_device
 from .errors import ArgumentError
-from .placement.plan import STRATEGIES, Placement
+from .placement.plan import STRATEGIES, Placement, check_routing_skew
 from .placement.probe import MachineProfile
 from .sizes import parse_size
 
@@ -64,6 +64,7 @@ class OffloadConfig:
     keep_resident: Collection[str] = ()
     placement: Placement | None = None
     expert_cache: bool = True
+    routing_skew: float | None = None
 
     def __post_init__(self) -> None:
         put = object.__setattr__
@@ -109,6 +110,8 @@ class OffloadConfig:
         if not isinstance(self.expert_cache, bool):
             raise ArgumentError(f"expert_cache={self.expert_cache!r}: give True (a GPU expert cache where "
                                 "the planner predicts it faster) or False (none)")
+        if self.routing_skew is not None:
+            check_routing_skew(self.routing_skew)
         if self.placement is not None and not isinstance(self.placement, Placement):
             raise ArgumentError(f"placement={type(self.placement).__name__}: give a weightstream.Placement "
                                 "(plan.placement_of makes one) or None to let the planner choose")

@@ -33,6 +33,7 @@ def offload(
     check: bool | None = None,
     keep_resident: Collection[str] = (),
     expert_cache: bool = True,
+    routing_skew: float | None = None,
 ) -> OffloadHandle | PipelineHandle:
     """Offload `model` in place so its weights take at most `gpu_memory` on `device`; return the handle.
 
@@ -84,6 +85,11 @@ def offload(
         frequency, then least recently used; docs/architecture.md) where its cost model predicts it
         faster (True, the default); False: no cache. `handle.stats` reports `cache_bytes` and, while
         `handle.count_experts()` is on, `expert_hit_rate`.
+    routing_skew: the expert popularity the cache is planned for: tokens draw their experts from a
+        Zipf(routing_skew) law (0: uniform; trained MoE routers are skewed: a cache of the most
+        popular experts then serves more than its share of the reads), so the planner may trade
+        resident blocks for cache slots, at decode too. None (default): uniform routing, where a
+        slot serves only its share and the cache pays at prefill and large batches only.
 
     A tensor a block writes in its forward (a buffer it updates in place) is state, not a weight: it
     stays resident from that forward on, counted in `gpu_memory` (a warning names it; BudgetError where
@@ -98,7 +104,7 @@ def offload(
     """
     config = config_of(gpu_memory, device=device, pin_memory=pin_memory, blocks=blocks, strategy=strategy,
                        tokens=tokens, profile=profile, placement=placement, compress=compress, check=check,
-                       keep_resident=keep_resident, expert_cache=expert_cache)
+                       keep_resident=keep_resident, expert_cache=expert_cache, routing_skew=routing_skew)
     if is_pipeline(model):  # a diffusers pipeline: one budget over its components (pipeline.py)
         per_model = (("blocks", config.blocks, None), ("tokens", config.tokens, 1),
                      ("placement", config.placement, None), ("keep_resident", config.keep_resident, ()))

@@ -103,7 +103,9 @@ def plan_report(model_name: str, gpu_memory: int | str | OffloadConfig, tokens: 
         # a GPU expert cache: blocks (of experts_only_blocks) whose routed experts go through a static
         # pool of `slots` experts each; bytes: the pools plus their work buffers (in gpu_bytes)
         "expert_cache": {"blocks": list(p.expert_cache), "slots": p.expert_slots, "bytes": p.cache_bytes,
-                         "experts": cost.experts},
+                         "experts": cost.experts, "hit_share": cost.cache_hit(p.expert_slots),
+                         # the Zipf exponent of expert popularity planned for (None: uniform routing)
+                         "routing_skew": config.routing_skew},
         "disk": {"bytes": sum(cost.streamed_bytes(p.streamed[g], p.part) for g in on_disk),
                  "blocks": [p.streamed[g] for g in sorted(on_disk)],
                  # what a forward reads from disk: compressed groups' blobs (predicted) from the cache
@@ -153,7 +155,10 @@ def format_report(r: dict) -> str:
            "of each resident" if r["zero_copy"].get("experts_only_blocks") else ""),
         *([f"{'expert cache':12}{len(r['expert_cache']['blocks']):>8}{size(r['expert_cache']['bytes']):>14}"
            f"   {r['expert_cache']['slots']} of {r['expert_cache']['experts']} experts per block on the GPU "
-           "(filled by frequency, then least recently used out), pools and work buffers"]
+           "(filled by frequency, then least recently used out), pools and work buffers; "
+           f"{r['expert_cache']['hit_share']:.0%} of the routed reads under "
+           + ("uniform routing" if r["expert_cache"].get("routing_skew") is None
+              else f"Zipf({r['expert_cache']['routing_skew']:g}) routing")]
           if r.get("expert_cache", {}).get("blocks") else []),
         f"on the wire: {size(r['wire']['bytes'])} of {size(r['wire']['raw_bytes'])} streamed per forward, "
         + (f"compressed (ratio {r['wire']['ratio']:.3f}; landing buffers {r['wire']['landing_buffers']} x "

@@ -165,3 +165,19 @@ def test_whole_block_zero_copy_against_experts_in_place_on_the_cpu(tmp_path):
     for m in ("ws-uva", "ws-uva-whole-blocks"):
         assert rows[m]["setup"]["expert_bytes_per_token"] == want > 0
     assert "expert_bytes_per_token" not in rows["resident"]["setup"]
+
+
+def test_ws_auto_skew_tells_the_planner_the_synthetic_skew_and_stays_exact(tmp_path):
+    """`ws-auto-skew` plans with the skew `--routing-skew` gave the model (recorded beside its placement):
+    exact against the resident model, as ws-auto."""
+    out = tmp_path / "skew.json"
+    assert cli.main(["--device", "cpu", "--shape", "tiny-moe", "--budgets", "0.5", "--phases", "decode-b1",
+                     "--methods", "resident,ws-auto,ws-auto-skew", "--modes", "eager", "--reps", "1",
+                     "--no-timeline", "--routing-skew", "2.0", "--out", str(out)]) == 0
+    rows = {r["method"]: r for r in json.loads(out.read_text())["results"]}
+    assert rows["ws-auto"]["exact"] and rows["ws-auto-skew"]["exact"]
+    assert rows["ws-auto-skew"]["setup"]["routing_skew"] == 2.0
+    assert "routing_skew" not in rows["ws-auto"]["setup"]
+    assert build_model("tiny-moe", torch.device("cpu")).__dict__.get("synthetic_routing_skew") is None
+    with routing_skew("tiny-moe", 2.0, seed=0):
+        assert build_model("tiny-moe", torch.device("cpu")).synthetic_routing_skew == 2.0

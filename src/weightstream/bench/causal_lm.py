@@ -121,6 +121,7 @@ def skew_routing(model: nn.Module, s: float, seed: int) -> int:
     from ..placement.experts import routers
 
     found = routers(model)
+    model.synthetic_routing_skew = float(s)  # what `ws-auto-skew` tells the planner
     for layer, (_, router) in enumerate(found):
         gen = torch.Generator().manual_seed(seed * 1_000_003 + layer)
         experts = router.num_experts

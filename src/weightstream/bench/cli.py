@@ -57,7 +57,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "--kind pipeline generate-<its steps>, load decode-b1)")
     p.add_argument("--methods", type=_csv, default=None,
                    help="default: every method but the variants for one question (ws-stream-raw, "
-                        "ws-stream-compress, ws-uva-whole-blocks); --kind pipeline: its own "
+                        "ws-stream-compress, ws-uva-whole-blocks, ws-auto-skew); --kind pipeline: its own "
                         "(bench/pipeline_run.py)")
     p.add_argument("--modes", type=_csv, default=None,
                    help=f"eager, compiled, graph, graph-eager (default {','.join(DEFAULT_MODES)})")

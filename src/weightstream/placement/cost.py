@@ -60,6 +60,9 @@ class ModelCost:
     # each block's routed expert tensors: positions in tensor_bytes (fused 3-D tensors whose first
     # dimension is the expert); (): none, or tensors not known
     routed_tensors: tuple[tuple[int, ...], ...] = ()
+    # the share of token-expert choices each routed expert takes, most popular first (sums to 1); ():
+    # uniform routing. A GPU expert cache of k slots, filled by frequency, holds the k most popular.
+    popularity: tuple[float, ...] = ()
 
     @property
     def _memo(self) -> dict:
@@ -117,6 +120,16 @@ class ModelCost:
         """Bytes of `block` read in place from host memory: all of it, or (`experts_only`) its routed
         expert tensors."""
         return self.routed_bytes[block] if experts_only else self.block_bytes[block]
+
+    def cache_hit(self, slots: int) -> float:
+        """The share of routed expert reads a GPU expert cache of `slots` slots per layer serves: the
+        popularity of the `slots` most popular experts (`popularity`), slots / experts under uniform
+        routing."""
+        if not self.experts or slots <= 0:
+            return 0.0
+        if self.popularity:
+            return min(1.0, sum(self.popularity[:slots]))
+        return min(1.0, slots / self.experts)
 
     def cache_bytes(self, blocks: tuple[int, ...], slots: int) -> int:
         """Device bytes of a GPU expert cache of `slots` slots for each of `blocks`: their pools (each
@@ -255,7 +268,7 @@ def predict(
     GEMMs run at the resident rate first (attention and router come before the experts), then the
     routed share crosses the link. Blocks of `expert_cache` (a subset of `uva_experts`) copy their
     routed experts into a work buffer before the GEMMs read them resident: the cached share
-    (`expert_slots` of the experts: routing taken as uniform, so a skewed one does better) from the
+    (`ModelCost.cache_hit` of `expert_slots`: uniform routing, or the model's `popularity`) from the
     device, the rest read in place once (at the one-token zero-copy rate, whatever the tokens)."""
     group_of = {block: g for g, block in enumerate(streamed)}
     extra = profile.block_extra_seconds(model.width, tokens)  # every block, wherever its weights are
@@ -263,7 +276,7 @@ def predict(
     uva_set = set(uva)
     experts_only = set(uva_experts)
     cached = set(expert_cache)
-    miss = 1.0 - expert_slots / model.experts if cached else 1.0
+    miss = 1.0 - model.cache_hit(expert_slots) if cached else 1.0
     n = len(streamed)
     n_buffers = n_landing or (2 if n_slots == 1 and n > 1 else n_slots)
     # global group k = forward * n + group; where the group before k in its slot is k's own previous

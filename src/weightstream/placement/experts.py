@@ -11,6 +11,9 @@ the experts `top_k_index` names (`is_experts`).
 
 from __future__ import annotations
 
+import functools
+
+import torch
 from torch import nn
 
 
@@ -35,3 +38,18 @@ def is_experts(module: nn.Module) -> bool:
     own = [p for p in module._parameters.values() if p is not None]
     return (isinstance(experts, int) and experts > 1
             and any(p.dim() == 3 and p.shape[0] == experts for p in own))
+
+
+@functools.cache
+def zipf_popularity(experts: int, top_k: int, s: float, samples: int = 16384) -> tuple[float, ...]:
+    """The share of token-expert choices each expert takes, most popular first, when every token draws
+    `top_k` of `experts` without replacement in proportion to rank^-s (Gumbel top-k; s = 0: uniform),
+    estimated from `samples` seeded draws (the same on every machine). Sums to 1."""
+    if s == 0:
+        return (1.0 / experts,) * experts
+    gen = torch.Generator().manual_seed(0)
+    logits = -s * torch.log(torch.arange(1, experts + 1, dtype=torch.float64))
+    gumbel = -torch.log(-torch.log(torch.rand(samples, experts, generator=gen, dtype=torch.float64)))
+    chosen = torch.topk(logits + gumbel, top_k).indices.flatten()
+    counts = torch.bincount(chosen, minlength=experts).double()
+    return tuple(sorted((counts / counts.sum()).tolist(), reverse=True))

@@ -16,12 +16,15 @@ predicts slower.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import math
 from dataclasses import dataclass
 
 from ..errors import ArgumentError, BudgetError
 from ..sizes import format_size
 from .cost import ModelCost, Prediction, predict
+from .experts import zipf_popularity
 from .layout import align_up
 from .probe import MachineProfile
 
@@ -284,6 +287,13 @@ def placement_of(
                      expert_slots=expert_slots, cache_bytes=cache)
 
 
+def check_routing_skew(skew) -> None:
+    """ArgumentError unless `skew` is a finite number >= 0 (a Zipf exponent of expert popularity)."""
+    if isinstance(skew, bool) or not isinstance(skew, int | float) or not math.isfinite(skew) or skew < 0:
+        raise ArgumentError(f"routing_skew={skew!r}: give the Zipf exponent of expert popularity, a number "
+                            ">= 0 (0: uniform routing), or None to plan for uniform routing")
+
+
 def plan(
     model: ModelCost,
     budget: int,
@@ -295,6 +305,7 @@ def plan(
     compress: bool | str = "auto",
     experts_apart: bool = True,
     expert_cache: bool = True,
+    routing_skew: float | None = None,
 ) -> Placement:
     """The fastest placement of `model` whose weights fit in `budget` bytes of GPU memory.
 
@@ -312,7 +323,15 @@ def plan(
         place, the rest of them resident (False: zero-copy blocks are read in place whole).
     expert_cache: let such blocks put a GPU expert cache in the budget they leave (`_with_cache`); the
         cost model keeps it only where it predicts faster.
+    routing_skew: the expert popularity to plan a cache for: each token draws its experts from a
+        Zipf(routing_skew) law (`experts.zipf_popularity`; 0: uniform), so k slots serve the k most
+        popular experts' share of the reads; None: uniform routing.
     """
+    if routing_skew is not None:
+        check_routing_skew(routing_skew)
+        if model.experts:
+            model = dataclasses.replace(model, popularity=zipf_popularity(model.experts, model.top_k,
+                                                                          float(routing_skew)))
     if strategy not in STRATEGIES:
         raise ArgumentError(f"strategy={strategy!r}: choose one of {', '.join(STRATEGIES)}")
     if compress not in (True, False, "auto"):

@@ -77,6 +77,8 @@ def ws_prepare(strategy: str, experts_apart: bool = True, **options) -> Prepare:
     def prepare(model: nn.Module, budget: int | None, tokens: int, device: torch.device):
         home, before = home_device(model), allocated(device)
         given = dict(options)
+        if given.get("routing_skew") == "synthetic":  # the skew `--routing-skew` gave the model, if any
+            given["routing_skew"] = getattr(model, "synthetic_routing_skew", None)
         if not experts_apart:
             from ...placement.prepare import prepare as plan_only
 
@@ -91,6 +93,8 @@ def ws_prepare(strategy: str, experts_apart: bool = True, **options) -> Prepare:
         rate = decoder_rate(handle, device)
         if rate is not None:
             info["decoder_GBps"] = rate
+        if "routing_skew" in given:  # what the planner was told (ws-auto-skew)
+            info["routing_skew"] = given["routing_skew"]
 
         def undo() -> None:
             handle.restore(home)
@@ -115,6 +119,10 @@ METHODS = (
     Method("ws-auto-compress", ws_prepare("auto", compress=True), MODES,
            "weightstream, the planner's choice with groups losslessly compressed on the wire (compress=True)",
            gives_reference=True),
+    Method("ws-auto-skew", ws_prepare("auto", routing_skew="synthetic"), MODES,
+           "weightstream, the planner told the synthetic routing skew (--routing-skew S: it plans the GPU "
+           "expert cache for Zipf(S) popularity; without it, the same as ws-auto)", gives_reference=True,
+           in_default=False),
     Method("ws-uva-whole-blocks", ws_prepare("uva", experts_apart=False), MODES,
            "weightstream, blocks read in place from pinned memory whole (a mixture of experts' dense "
            "tensors too, every token)", gives_reference=True, in_default=False),
