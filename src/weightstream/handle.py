@@ -21,7 +21,7 @@ from .config import OffloadConfig
 from .devices import resolve_device
 from .engine import expert_cache, guards
 from .engine.engine import StreamEngine
-from .engine.experts import ExpertCounter, RoutedBlock
+from .engine.experts import ChoiceCounter, ExpertCounter, RoutedBlock
 from .engine.host import HostArena
 from .engine.streamed import _blocked_apply, _install_schedule
 from .engine.uva import uva_view
@@ -141,6 +141,7 @@ class OffloadHandle:
         self._cost = prep.cost
         self._blocks = prep.block_modules
         self._experts: ExpertCounter | None = None  # count_experts()
+        self._choices: ChoiceCounter | None = None  # count_experts(): every router's choices
         self.expert_caches: expert_cache.ExpertCaches | None = None  # the GPU expert cache (finish)
         self.restored = False
 
@@ -190,12 +191,19 @@ class OffloadHandle:
         from now on, or (`on=False`) stop. A forward hook on each router of a block whose routed experts
         are off the GPU (zero copy or streamed) adds the experts its tokens reached to counters on the
         device: no host synchronization per forward (reading `stats` synchronizes), and nothing at all
-        while off. Turning it on again starts from zero."""
+        while off. Turning it on again starts from zero. It also counts how often each router chose
+        each expert, which `routing_skew()` fits."""
         if self._experts is not None:
             self._experts.remove()
             self._experts = None
+        if self._choices is not None:
+            self._choices.remove()
+            self._choices = None
         if not on:
             return
+        from .placement.experts import routers
+
+        self._choices = ChoiceCounter([r for m in self._blocks for _, r in routers(m)], self.device)
         experts = self._cost.experts
         in_place = [0] * len(self._blocks)
         streamed = [0] * len(self._blocks)
@@ -211,6 +219,18 @@ class OffloadHandle:
         if self.expert_caches:
             self.expert_caches.reset_counts()
         self._experts = ExpertCounter(blocks, self.device, self.expert_caches)
+
+    def routing_skew(self) -> float | None:
+        """The Zipf exponent of expert popularity that best fits the routers' choices since
+        `count_experts()` (`placement.experts.fit_routing_skew`, 0 to 4 in steps of 0.05; 0: uniform):
+        run real prompts, then plan a GPU expert cache for that routing with
+        `handle.restore(); ws.offload(model, ..., routing_skew=handle_skew)`. None without counting,
+        before the routers made 4 choices per expert on average (a few decode steps say little), or
+        for a model without routers. Reading it synchronizes."""
+        from .placement.experts import fit_routing_skew
+
+        shares = self._choices.shares() if self._choices is not None else None
+        return None if shares is None else fit_routing_skew(shares, self._choices.top_k)
 
     @contextlib.contextmanager
     def edit(self):

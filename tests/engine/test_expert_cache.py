@@ -415,3 +415,26 @@ def test_a_skewed_routing_lets_the_planner_cache_experts_at_decode_and_it_runs_e
 def test_a_routing_skew_that_is_not_a_zipf_exponent_is_refused(skew):
     with pytest.raises(ArgumentError, match="routing_skew=.*give the Zipf exponent"):
         ws.OffloadConfig(2**20, device="cpu", routing_skew=skew)
+
+
+@pytest.mark.parametrize("skew", [0.0, 1.5])
+def test_routing_skew_fits_the_zipf_exponent_the_routers_were_given(skew):
+    """A Qwen3-MoE of 32 experts, top 4, its routers made to draw from Zipf(skew) (the bench's synthetic
+    routing), offloaded with its experts read in place: after `count_experts()` and a few forwards,
+    `handle.routing_skew()` gives back about that exponent; None before counting. Exact throughout."""
+    from skewed_moe import skewed_qwen3_moe
+
+    ref = skewed_qwen3_moe(skew)
+    model = copy.deepcopy(ref)
+    handle = ws.offload(model, gpu_memory=sum(p.nbytes for p in model.parameters()) // 3, device="cpu",
+                        strategy="uva")
+    assert handle.routing_skew() is None
+    handle.count_experts()
+    assert handle.routing_skew() is None  # nothing counted yet
+    for seed in range(4):
+        ids = torch.randint(0, 512, (1, 128), generator=torch.Generator().manual_seed(seed))
+        with torch.no_grad():
+            assert torch.equal(model(ids, use_cache=False).logits, ref(ids, use_cache=False).logits)
+    assert abs(handle.routing_skew() - skew) <= 0.25
+    handle.count_experts(False)
+    assert handle.routing_skew() is None

@@ -83,6 +83,8 @@ def describe(row: ResultRow) -> str:
         text += f", expert bytes/token {format_size(round(row.setup['expert_bytes_per_token']))}"
     if row.setup.get("expert_hit_rate") is not None:
         text += f", expert cache hit rate {row.setup['expert_hit_rate']:.3f}"
+    if row.setup.get("routing_skew_fit") is not None:
+        text += f", routing fits Zipf({row.setup['routing_skew_fit']:g})"
     return text
 
 

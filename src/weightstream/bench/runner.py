@@ -150,10 +150,11 @@ def _counters(model: nn.Module) -> tuple[int, int, int] | None:
 
 def expert_fields(suite: Suite, phase: Phase) -> dict:
     """For an offloaded mixture of experts: `expert_bytes_per_token` (expert bytes read over the link per
-    token) and `expert_hit_rate` (the share of the experts reached found in a GPU expert cache, where
-    there is one), counted over one eager forward of the phase's input after the timed calls (the
-    counters add kernels, so the timed calls run without them; the caches are warm by then); {} for
-    any other model, a model not offloaded, or a generation phase."""
+    token), `expert_hit_rate` (the share of the experts reached found in a GPU expert cache, where
+    there is one) and `routing_skew_fit` (the Zipf exponent that fits the routers' choices,
+    `OffloadHandle.routing_skew`), counted over one eager forward of the phase's input after the timed
+    calls (the counters add kernels, so the timed calls run without them; the caches are warm by
+    then); {} for any other model, a model not offloaded, or a generation phase."""
     if phase.kind == "generate" or not routers(suite.model):
         return {}
     try:
@@ -165,10 +166,11 @@ def expert_fields(suite: Suite, phase: Phase) -> dict:
         with torch.no_grad():
             suite.forward_fn()(suite.inputs[phase.name])
         stats = handle.stats
+        fitted = handle.routing_skew()
     finally:
         handle.count_experts(False)
     fields = {"expert_bytes_per_token": stats.expert_bytes_per_token,
-              "expert_hit_rate": stats.expert_hit_rate}
+              "expert_hit_rate": stats.expert_hit_rate, "routing_skew_fit": fitted}
     return {k: v for k, v in fields.items() if v is not None}
 
 

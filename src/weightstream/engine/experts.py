@@ -72,3 +72,34 @@ class ExpertCounter:
         for hook in self.hooks:
             hook.remove()
         self.hooks = []
+
+
+class ChoiceCounter:
+    """Forward hooks on `routers` (all of a model's blocks, offloaded or not) adding, on the device, how
+    often each expert was chosen: the popularity `OffloadHandle.routing_skew` fits. No host
+    synchronization per call; `remove()` takes the hooks off."""
+
+    def __init__(self, found: list[nn.Module], device: torch.device) -> None:
+        experts = max((r.num_experts for r in found), default=0)
+        self.top_k = found[0].top_k if found else 0
+        self.choices = torch.zeros(len(found), experts, dtype=torch.float64, device=device)
+        self.hooks = [r.register_forward_hook(self._hook(i)) for i, r in enumerate(found)]
+
+    def _hook(self, i: int):
+        def count(module: nn.Module, args, output) -> None:
+            indices = output[-1].reshape(-1)
+            self.choices[i].index_add_(0, indices, torch.ones_like(indices, dtype=torch.float64))
+        return count
+
+    def shares(self, least: int = 4) -> list[list[float]] | None:
+        """Each router's share of the choices per expert since the hooks went on; None until the
+        routers made `least` choices per expert on average (fewer say little of a popularity)."""
+        rows = self.choices.tolist()  # the one synchronization: when asked
+        if not rows or sum(map(sum, rows)) < least * len(rows) * len(rows[0]):
+            return None
+        return [[c / sum(row) for c in row] for row in rows if sum(row)]
+
+    def remove(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks = []

@@ -53,3 +53,17 @@ def zipf_popularity(experts: int, top_k: int, s: float, samples: int = 16384) ->
     chosen = torch.topk(logits + gumbel, top_k).indices.flatten()
     counts = torch.bincount(chosen, minlength=experts).double()
     return tuple(sorted((counts / counts.sum()).tolist(), reverse=True))
+
+
+SKEW_GRID = tuple(i / 20 for i in range(81))  # the Zipf exponents `fit_routing_skew` tries: 0 to 4
+
+
+def fit_routing_skew(shares: list[list[float]], top_k: int) -> float:
+    """The Zipf exponent (of SKEW_GRID) whose popularity (`zipf_popularity`) is closest, in squared
+    error, to the mean over layers of `shares` (each layer's share of the token-expert choices per
+    expert, any order): what `offload(..., routing_skew=)` plans a GPU expert cache for."""
+    experts = len(shares[0])
+    ranked = [sorted(layer, reverse=True) for layer in shares]
+    mean = [sum(v) / len(shares) for v in zip(*ranked, strict=True)]
+    return min(SKEW_GRID, key=lambda s: sum((a - b) ** 2 for a, b in
+                                            zip(mean, zipf_popularity(experts, top_k, s, 4096), strict=True)))
