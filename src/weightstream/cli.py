@@ -46,13 +46,16 @@ def main(argv: list[str] | None = None) -> int:
     text.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     text.add_argument("--speculate", default=None, metavar="{prompt-lookup,self,DRAFT_FOLDER}",
                       help="speculative decoding: drafts from n-grams of the context (prompt-lookup), from "
-                           "the model itself with int4 copies of its offloaded blocks (self: they take GPU "
-                           "memory beside --gpu-memory) or from a small checkpoint with the same tokenizer "
-                           "(its folder, loaded resident); the model verifies a tree of drafted tokens per "
+                           "the model itself with int4 copies of its offloaded blocks (self) or from a small "
+                           "checkpoint with the same tokenizer (its folder, loaded resident); the draft's "
+                           "weights count in --gpu-memory; the model verifies a tree of drafted tokens per "
                            "forward")
     text.add_argument("--tree", default=None, metavar="WIDTHxDEPTH",
                       help="the drafted tree of each verify forward with --speculate (default 4x6: "
                            "1 + 4*6 tokens; 1xN is a chain)")
+    text.add_argument("--routing-skew", type=float, default=None, metavar="S",
+                      help="a mixture of experts: plan its GPU expert cache for Zipf(S) expert popularity, "
+                           "as offload(routing_skew=S) (default: uniform routing)")
     image = gen.add_argument_group("image (a diffusers pipeline folder)")
     image.add_argument("--steps", type=int, default=None,
                        help="denoising steps (default: the pipeline's own, e.g. 28 for Flux)")
@@ -146,7 +149,7 @@ def _run(args: argparse.Namespace) -> int:
 
         pipeline = is_pipeline_folder(args.path)
         _check_generate_options(args, pipeline)
-        config = OffloadConfig(args.gpu_memory, device=args.device)
+        config = OffloadConfig(args.gpu_memory, device=args.device, routing_skew=args.routing_skew)
         if pipeline:
             summary = generate_image(
                 args.path, args.prompt, config, cpu_memory=args.cpu_memory, steps=args.steps,
@@ -205,7 +208,8 @@ def _check_generate_options(args: argparse.Namespace, pipeline: bool) -> None:
     image options for a causal LM checkpoint."""
     if pipeline:
         _refuse_unused({"--max-new-tokens": args.max_new_tokens, "--compile": args.compile,
-                        "--chat": args.chat, "--speculate": args.speculate, "--tree": args.tree},
+                        "--chat": args.chat, "--speculate": args.speculate, "--tree": args.tree,
+                        "--routing-skew": args.routing_skew},
                        f"{args.path} is a diffusers pipeline folder (model_index.json), which makes an "
                        "image, not text")
     else:
