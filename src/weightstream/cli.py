@@ -52,7 +52,8 @@ def main(argv: list[str] | None = None) -> int:
                            "forward")
     text.add_argument("--tree", default=None, metavar="WIDTHxDEPTH",
                       help="the drafted tree of each verify forward with --speculate (default 4x6: "
-                           "1 + 4*6 tokens; 1xN is a chain)")
+                           "1 + 4*6 tokens; 1xN is a chain; auto: the shape the cost model predicts "
+                           "fastest, chosen again from the acceptance measured)")
     text.add_argument("--routing-skew", type=float, default=None, metavar="S",
                       help="a mixture of experts: plan its GPU expert cache for Zipf(S) expert popularity, "
                            "as offload(routing_skew=S) (default: uniform routing)")

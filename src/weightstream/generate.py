@@ -134,7 +134,9 @@ def generate_text(
     of 128, of the blocks it keeps off the GPU) or the folder of a draft checkpoint with the same
     tokenizer (loaded resident); the draft's weights count in `gpu_memory` (the split is printed on
     stderr when `echo`; `weightstream plan --speculate` shows it beforehand): speculative decoding with
-    trees of `tree` ("WIDTHxDEPTH") tokens, a progress bar on stderr and the text printed at the end.
+    trees of `tree` ("WIDTHxDEPTH", or "auto": the shape the cost model predicts fastest, as
+    `ws.generate(width="auto", depth="auto")`), a progress bar on stderr and the text printed at the
+    end.
     cpu_memory: host memory for the offloaded weights, bytes or "16GiB", as for `from_pretrained` (None:
     no limit; groups beyond it are read from the checkpoint files every forward). Raises ArgumentError
     for an empty prompt or fewer than one new token, CheckpointError for a checkpoint of a model that
@@ -146,7 +148,7 @@ def generate_text(
         raise ArgumentError(f"--max-new-tokens {max_new_tokens}: generate at least 1 token")
     if dtype is not None:
         parse_dtype(dtype)  # before anything is loaded
-    width, depth = parse_tree(tree).dims
+    width, depth = ("auto", "auto") if tree == "auto" else parse_tree(tree).dims
     if speculate is not None and speculate not in DRAFT_NAMES:
         draft_folder = checkpoint_folder(speculate)  # a missing draft is found before the model loads
         _check_generates(model_class(read_config(draft_folder), draft_folder), draft_folder)

@@ -34,6 +34,16 @@ def test_prompt_lookup_prints_the_greedy_text_and_the_speculation(checkpoint, ca
     assert "tok_s" in captured.err  # the progress bar
 
 
+def test_tree_auto_lets_the_cost_model_choose_the_shape_and_gives_the_greedy_text(checkpoint, capsys):
+    folder, tokenizer = checkpoint
+    assert run(folder, "--speculate", "prompt-lookup", "--tree", "auto") == 0
+    out = capsys.readouterr().out
+    assert greedy_text(folder, tokenizer, 10).strip() in out
+    shape = out.split("speculative (prompt-lookup, tree ")[1].split(")")[0]
+    width, depth = map(int, shape.split("x"))
+    assert 1 <= width <= 8 and 1 <= depth <= 12
+
+
 def test_a_draft_folder_is_loaded_resident_and_gives_the_same_text(checkpoint, tmp_path, capsys):
     folder, tokenizer = checkpoint
     draft = tmp_path / "draft"
