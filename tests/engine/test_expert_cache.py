@@ -438,3 +438,28 @@ def test_routing_skew_fits_the_zipf_exponent_the_routers_were_given(skew):
     assert abs(handle.routing_skew() - skew) <= 0.25
     handle.count_experts(False)
     assert handle.routing_skew() is None
+
+
+@given(experts=st.integers(2, 64), tokens=st.integers(1, 4096), data=st.data())
+@settings(max_examples=40, deadline=None)
+def test_a_skewed_popularity_reaches_fewer_experts_than_uniform_routing_and_the_same_at_one_token(
+        experts, tokens, data):
+    """The cost model's expected share of experts reached: under uniform popularity the closed form;
+    skewed, never more (popular experts are reached again instead of new ones), and at one token top_k
+    of them either way."""
+    import dataclasses
+
+    from weightstream.placement.cost import ModelCost
+    from weightstream.placement.experts import zipf_popularity
+
+    top_k = data.draw(st.integers(1, experts - 1))
+    base = ModelCost(fixed_bytes=0, head_bytes=0, block_bytes=(experts * 10,), routed_bytes=(experts * 10,),
+                     experts=experts, top_k=top_k)
+    uniform = dataclasses.replace(base, popularity=zipf_popularity(experts, top_k, 0.0))
+    s = data.draw(st.floats(0.2, 3))
+    skewed = dataclasses.replace(base, popularity=zipf_popularity(experts, top_k, s))
+    closed = 1.0 - (1.0 - top_k / experts) ** tokens
+    assert abs(base.reached_share(tokens) - closed) < 1e-12
+    assert abs(uniform.reached_share(tokens) - closed) < 1e-9
+    assert skewed.reached_share(tokens) <= closed + 1e-9
+    assert abs(skewed.reached_share(1) - top_k / experts) < 1e-9

@@ -87,13 +87,28 @@ class ModelCost:
     def reads(self, block: int, tokens: int) -> tuple[tuple[float, float], ...]:
         """(bytes, tokens) of the GEMMs of `block` at `tokens` tokens per forward: its dense bytes at
         every token, and the expected bytes of the routed experts that any token reaches, each at the
-        tokens routed to it (tokens choosing top_k of the experts uniformly)."""
+        tokens routed to it (`reached_share`)."""
         routed = self.routed_bytes[block] if self.routed_bytes else 0
         dense = (self.block_bytes[block] - routed, tokens)
         if not routed:
             return (dense,)
-        share = 1.0 - (1.0 - self.top_k / self.experts) ** tokens
+        share = self.reached_share(tokens)
         return dense, (routed * share, tokens * self.top_k / (self.experts * share))
+
+    def reached_share(self, tokens: int) -> float:
+        """The expected share of a block's experts that `tokens` tokens reach, each choosing top_k: an
+        expert chosen by a token with probability q is reached with 1 - (1 - q)^tokens; q = top_k /
+        experts under uniform routing, top_k x its share of the choices under `popularity`."""
+        key = ("reached_share", tokens)
+        hit = self._memo.get(key)
+        if hit is None:
+            if self.popularity:
+                hit = sum(1.0 - (1.0 - min(1.0, self.top_k * p)) ** tokens
+                          for p in self.popularity) / self.experts
+            else:
+                hit = 1.0 - (1.0 - self.top_k / self.experts) ** tokens
+            self._memo[key] = hit
+        return hit
 
     def resident_seconds(self, block: int, tokens: int, profile: MachineProfile) -> float:
         """Seconds of `block`'s GEMMs at `tokens` tokens per forward with its weights on the device: plain
