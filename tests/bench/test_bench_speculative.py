@@ -60,6 +60,19 @@ def test_generation_rows_run_in_the_modes_asked_and_compiled_ones_keep_the_plain
         assert row["error"] is None and row["exact"] in ((None,) if row["method"] == "ws-plain" else (True,))
 
 
+def test_an_automatic_tree_records_the_shape_chosen_for_each_prompt(tmp_path, checkpoint):
+    folder, _ = checkpoint
+    doc = run(tmp_path, "--checkpoint", str(folder), "--trees", "2", "--new-tokens", "6", "--prompts", "2",
+              "--tree", "auto", "--budgets", "0.75")
+    rows = [r for r in doc["results"] if r["phase"] == "generate-6" and r["method"] != "ws-plain"
+            and r["error"] is None]
+    assert rows
+    for row in rows:
+        assert row["exact"] is True and row["setup"]["tree"] == "auto"
+        shapes = row["setup"]["shapes"]
+        assert len(shapes) == 2 and all(1 <= int(s.split("x")[0]) <= 8 for s in shapes)
+
+
 def test_a_checkpoint_in_bf16_reports_the_share_of_identical_prompts(tmp_path, checkpoint):
     """In bf16 a near-tie may flip a token (docs/speculative.md): the rows report the share of prompts
     identical to plain greedy and where each first differs, and the run exits 0 either way."""

@@ -138,7 +138,8 @@ def add_options(p: argparse.ArgumentParser) -> None:
                    help="--kind speculative with --checkpoint: prompts (passages of Python's language "
                         "reference; default 8, at most 74)")
     p.add_argument("--tree", default=None, metavar="WIDTHxDEPTH",
-                   help="--kind speculative with --checkpoint: the drafted tree (default 4x6)")
+                   help="--kind speculative with --checkpoint: the drafted tree (default 4x6; auto: the "
+                        "shape the cost model predicts fastest, per prompt, recorded in each row's setup)")
     p.add_argument("--checkpoint-dtype", default=None, choices=("float32", "bfloat16", "float16"),
                    help="--kind speculative with --checkpoint: the dtype it runs in (default float32; in "
                         "bf16 or fp16 a near-tie can flip a token: the rows report the share of prompts "
@@ -335,11 +336,11 @@ def _speculative(args: argparse.Namespace, command: str) -> int:
         raise ArgumentError(f"--checkpoint-dtype {args.checkpoint_dtype}: it sets the dtype of a "
                             "--checkpoint; give one, or leave it out")
     dtype = args.checkpoint_dtype or "float32"
+    tree = ("auto", "auto") if args.tree == "auto" else parse_tree(args.tree or "4x6").dims
     doc = run_speculative(args.shape, args.budgets, trees, args.modes, args.reps, device, out_path(args),
                           checkpoint=args.checkpoint, context=args.context or 512,
                           new_tokens=args.new_tokens or 64, prompts=args.prompts or 8,
-                          tree=parse_tree(args.tree or "4x6").dims, seed=args.seed, command=command,
-                          dtype=dtype)
+                          tree=tree, seed=args.seed, command=command, dtype=dtype)
     # in low precision a flipped near-tie is what the rows measure (docs/speculative.md), not a failure
     return 1 if any(r["exact"] is False and (dtype == "float32" or not r["phase"].startswith("generate"))
                     for r in doc["results"]) else 0

@@ -45,6 +45,7 @@ from ..offload import handle_of, offload
 from ..speculative import SelfDraft, generate, offload_with_draft
 from ..speculative.cache import TreeCache
 from ..speculative.loop import CACHE_BUCKET
+from ..speculative.shape_choice import MAX_TREE_TOKENS
 from ..speculative.tree import TreeShape, causal_mask, tree_from_chains, tree_mask, tree_positions
 from ..speculative.verify import TreeForward
 from .measure import fill_row, h2d_bandwidth, measure
@@ -203,17 +204,19 @@ def _generation_rows(model: nn.Module, prompts: list, runs: list, budget: int, n
             continue
         # warm-up: builds a self-draft; compiled, one prompt per cache bucket (`loop.CACHE_BUCKET`: the
         # cache's length, which shapes the compiled forwards, is rounded up to a multiple of it)
-        buckets = {(ids.shape[1] + new_tokens + 1 + width * depth) // CACHE_BUCKET: ids for ids in prompts}
+        room = MAX_TREE_TOKENS if width == "auto" else width * depth  # an automatic shape's largest tree
+        buckets = {(ids.shape[1] + new_tokens + 1 + room) // CACHE_BUCKET: ids for ids in prompts}
         for ids in (buckets.values() if compile else prompts[:1]):
             generate(model, ids, new_tokens if compile else 4, draft=draft, width=width, depth=depth,
                      compile=compile, eos_token_id=[])
-        per_token, accepted, same, first = [], [], [], []
+        per_token, accepted, same, first, shapes = [], [], [], [], []
         for i, ids in enumerate(prompts):
             start = time.perf_counter()
             out = generate(model, ids, new_tokens, draft=draft, width=width, depth=depth, compile=compile,
                            eos_token_id=[])
             per_token.append((time.perf_counter() - start) * 1e3 / out.stats.new_tokens)
             accepted.append(out.stats.accepted_per_pass)
+            shapes.append(f"{out.stats.width}x{out.stats.depth}")
             if draft is None:
                 plain.append(out.tokens)
             else:  # where a near-tie flips (low precision), the first new token that differs
@@ -226,7 +229,9 @@ def _generation_rows(model: nn.Module, prompts: list, runs: list, budget: int, n
                         tokens_per_s=1e3 / statistics.median(per_token), link_bytes=link_bytes(stats),
                         exact=None if draft is None else all(same),
                         reference="ws-plain (greedy, one token per pass)",
-                        setup={"draft": scheme, "tree": f"{width}x{depth}", "prompts": len(prompts),
+                        setup={"draft": scheme, "tree": f"{width}x{depth}" if width != "auto" else "auto",
+                               "shapes": shapes if width == "auto" and draft is not None else None,
+                               "prompts": len(prompts),
                                "weights_gpu_memory": split.weights_budget, "split": split.as_dict(),
                                "draft_bytes": out.stats.draft_bytes,
                                "accepted_per_pass": statistics.mean(accepted), "stats": asdict(stats),
@@ -272,7 +277,7 @@ def draft_step_rows(model: nn.Module, budget: int, width: int, modes: list[str],
 
 def run_speculative(shape: str, budgets: list, trees: list[int], modes: list[str], reps: int,
                     device: torch.device, out_path: str, *, checkpoint: str | None = None, context: int = 512,
-                    new_tokens: int = 64, prompts: int = 8, tree: tuple[int, int] = (4, 6), seed: int = 0,
+                    new_tokens: int = 64, prompts: int = 8, tree: tuple = (4, 6), seed: int = 0,
                     command: str = "", dtype: str = "float32") -> dict:
     """The `--kind speculative` run (module docstring); writes and returns the result document."""
     cuda = device.type == "cuda"
@@ -301,7 +306,8 @@ def run_speculative(shape: str, budgets: list, trees: list[int], modes: list[str
         for row in verify_rows(model, budget, trees, modes, context, reps, device, bandwidth):
             doc["results"].append(asdict(row))
             write_json(doc, out_path)
-        for row in draft_step_rows(model, budget, tree[0], modes, context, reps, device):
+        step_width = 4 if tree[0] == "auto" else tree[0]  # an automatic tree: the default shape's width
+        for row in draft_step_rows(model, budget, step_width, modes, context, reps, device):
             doc["results"].append(asdict(row))
             write_json(doc, out_path)
         handle_of(model).restore()
