@@ -56,3 +56,26 @@ def test_tensor_parallel_example_says_what_it_needs_before_starting_ranks(enviro
     assert result.returncode == 2, result.stdout + result.stderr
     assert message in result.stdout and len(result.stdout.strip().splitlines()) == 1
     assert "Traceback" not in result.stderr
+
+
+def test_flux_example_refuses_a_host_with_too_little_memory_before_building(monkeypatch, capsys):
+    """The host-memory branch of the example's own check: the tiny pipeline's weights against a host
+    that has fewer bytes available: one line with the way out, nothing built."""
+    import importlib.util
+
+    import torch
+
+    spec = importlib.util.spec_from_file_location("flux_offload", ROOT / "examples" / "flux_offload.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    monkeypatch.setattr(example, "available_host_bytes", lambda: 1024)
+    real_build = example.build_pipeline
+
+    def sizes_only(tiny, *args, **kwargs):
+        assert kwargs.get("device") == "meta", "the check built more than the meta sizes"
+        return real_build(tiny, *args, **kwargs)
+
+    monkeypatch.setattr(example, "build_pipeline", sizes_only)
+    assert example.need_what_it_takes(True, torch.device("cpu")) is False
+    out = capsys.readouterr().out
+    assert "of host memory to build" in out and "1.00 KiB is available" in out and "--tiny" in out
