@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import make_model, with_boundaries
 from test_gpu import eager_rounding, streaming_all_budget  # noqa: F401  (a fixture, and the budget)
+from test_loop import off_gpu_blocks
 
 import weightstream as ws
 from weightstream.placement.probe import H200
@@ -80,11 +81,6 @@ def test_a_cuda_generator_is_refused_with_the_way_out():
     model = make_model("llama").cuda()
     with pytest.raises(ws.ArgumentError, match="give torch.Generator\\(\\) \\(on the CPU\\)"):
         ws.generate(model, prompt(), 2, do_sample=True, generator=torch.Generator(device="cuda"))
-
-
-def off_gpu_blocks(model) -> list[str]:
-    handle = ws.handle_of(model)
-    return [*handle.streamed_blocks, *handle.uva_blocks]
 
 
 @pytest.mark.parametrize("do_sample", [False, True])

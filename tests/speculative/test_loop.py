@@ -31,6 +31,28 @@ def offloaded(model, fraction: float = 0.5):
     return model
 
 
+def off_gpu_blocks(model) -> list[str]:
+    """The blocks an offloaded model keeps off the GPU (streamed or read in place)."""
+    handle = ws.handle_of(model)
+    return [*handle.streamed_blocks, *handle.uva_blocks]
+
+
+def speculate_both(ref, model, draft_for, do_sample: bool):
+    """The same speculative generation (16 tokens, tree 3x3, seeded) on the resident `ref` and the
+    offloaded `model`, `draft_for(target)` giving each its draft; asserts the offloaded run equals the
+    resident one (tokens, logits, accepted per pass, no miss) and returns (resident, offloaded)."""
+    resident, streamed = (
+        ws.generate(target, repetitive_prompt(1), 16, draft=draft_for(target), width=3, depth=3,
+                    do_sample=do_sample, temperature=0.9, generator=torch.Generator().manual_seed(5),
+                    eos_token_id=[], output_logits=True)
+        for target in (ref, model))
+    assert torch.equal(streamed.tokens, resident.tokens)
+    assert torch.equal(streamed.logits, resident.logits)
+    assert streamed.stats.accepted == resident.stats.accepted
+    assert ws.handle_of(model).stats.misses == 0
+    return resident, streamed
+
+
 @pytest.fixture(scope="module")
 def resident_and_offloaded():
     ref = make_model("llama")
@@ -45,18 +67,9 @@ DRAFTS = ["prompt-lookup", "model", None]
 def test_offloaded_speculative_generation_equals_the_resident_run(resident_and_offloaded, draft, do_sample):
     ref, model = resident_and_offloaded
     draft_model = make_model("llama", seed=0 if do_sample else 1)  # one accepts all, one almost nothing
-    runs = []
-    for target in (ref, model):
-        runs.append(ws.generate(
-            target, repetitive_prompt(1), 16, draft=draft_model if draft == "model" else draft, width=3,
-            depth=3, do_sample=do_sample, temperature=0.9, generator=torch.Generator().manual_seed(5),
-            eos_token_id=[], output_logits=True))
-    resident, streamed = runs
-    assert torch.equal(streamed.tokens, resident.tokens)
-    assert torch.equal(streamed.logits, resident.logits)
-    assert streamed.stats.accepted == resident.stats.accepted
+    _, streamed = speculate_both(ref, model, lambda target: draft_model if draft == "model" else draft,
+                                 do_sample)
     assert streamed.logits.shape == (16, 128) and streamed.stats.new_tokens == 16
-    assert ws.handle_of(model).stats.misses == 0
 
 
 def test_the_logits_kept_are_those_each_token_was_chosen_from(resident_and_offloaded):

@@ -12,8 +12,7 @@ import torch
 from conftest import make_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_loop import offloaded, plain_greedy, repetitive_prompt
-from test_self_draft import off_gpu_blocks
+from test_loop import off_gpu_blocks, offloaded, plain_greedy, repetitive_prompt
 
 import weightstream as ws
 from weightstream.errors import ArgumentError

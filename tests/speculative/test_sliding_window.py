@@ -12,10 +12,10 @@ import gc
 import pytest
 import torch
 import transformers as tf
-from conftest import make_model, weight_bytes
+from conftest import make_model
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_loop import plain_greedy, repetitive_prompt
+from test_loop import off_gpu_blocks, offloaded, plain_greedy, repetitive_prompt, speculate_both
 from test_verify import assert_branches_match_causal_forwards
 from transformers.masking_utils import sliding_window_causal_mask_function
 
@@ -56,11 +56,6 @@ def sliding_model(arch: str, window: int = 4, seed: int = 0):
     torch.manual_seed(seed)
     model = tf.AutoModelForCausalLM.from_config(sliding_config(arch, window))
     return model.eval().requires_grad_(False)
-
-
-def offloaded(model, fraction: float = 0.5):
-    ws.offload(model, gpu_memory=int(weight_bytes(model) * fraction), device="cpu", strategy="stream")
-    return model
 
 
 @pytest.mark.parametrize("arch, kind", [("gemma3", "per-layer-type"), ("mistral", "sliding"),
@@ -180,19 +175,13 @@ def test_gemma3_greedy_speculative_equals_plain_greedy_over_prompts_and_trees(ge
 def test_offloaded_equals_resident(arch, draft, do_sample):
     ref = sliding_model(arch, window=4)
     model = offloaded(copy.deepcopy(ref))
-    blocks = [*ws.handle_of(model).streamed_blocks, *ws.handle_of(model).uva_blocks]
-    runs = []
-    for target in (ref, model):
-        drafter = {"model": sliding_model(arch, window=4, seed=0 if do_sample else 1),
-                   "self": SelfDraft(bits=4, group=64, blocks=blocks)}.get(draft, draft)
-        runs.append(ws.generate(target, repetitive_prompt(1), 16, draft=drafter, width=3, depth=3,
-                                do_sample=do_sample, temperature=0.9, eos_token_id=[], output_logits=True,
-                                generator=torch.Generator().manual_seed(5)))
-    resident, streamed = runs
-    assert torch.equal(streamed.tokens, resident.tokens)
-    assert torch.equal(streamed.logits, resident.logits)
-    assert streamed.stats.accepted == resident.stats.accepted
-    assert ws.handle_of(model).stats.misses == 0
+
+    def draft_for(target):
+        return {"model": lambda: sliding_model(arch, window=4, seed=0 if do_sample else 1),
+                "self": lambda: SelfDraft(bits=4, group=64, blocks=off_gpu_blocks(model))}.get(
+                    draft, lambda: draft)()
+
+    speculate_both(ref, model, draft_for, do_sample)
 
 
 @pytest.mark.slow
