@@ -44,8 +44,8 @@ from ..errors import BudgetError
 from ..offload import handle_of, offload
 from ..speculative import SelfDraft, generate, offload_with_draft
 from ..speculative.cache import TreeCache
-from ..speculative.loop import CACHE_BUCKET
-from ..speculative.shape_choice import MAX_TREE_TOKENS
+from ..speculative.loop import cache_length
+from ..speculative.shape_choice import candidates
 from ..speculative.tree import TreeShape, causal_mask, tree_from_chains, tree_mask, tree_positions
 from ..speculative.verify import TreeForward
 from .measure import fill_row, h2d_bandwidth, measure
@@ -202,10 +202,12 @@ def _generation_rows(model: nn.Module, prompts: list, runs: list, budget: int, n
                                   reference="ws-plain (greedy, one token per pass)", setup={"draft": scheme}))
             log(f"{method}: {rows[-1].error}")
             continue
-        # warm-up: builds a self-draft; compiled, one prompt per cache bucket (`loop.CACHE_BUCKET`: the
-        # cache's length, which shapes the compiled forwards, is rounded up to a multiple of it)
-        room = MAX_TREE_TOKENS if width == "auto" else width * depth  # an automatic shape's largest tree
-        buckets = {(ids.shape[1] + new_tokens + 1 + room) // CACHE_BUCKET: ids for ids in prompts}
+        # warm-up: builds a self-draft; compiled, one prompt per cache length (`loop.cache_length`, which
+        # shapes the compiled forwards): the room of the plain run's one token, of the tree, or of the
+        # largest tree an automatic shape may choose
+        room = ((1, 0) if draft is None else (1 + width * depth, depth) if width != "auto"
+                else (max(1 + w * d for w, d in candidates()), max(d for _, d in candidates())))
+        buckets = {cache_length(ids.shape[1], new_tokens, *room, compile=True): ids for ids in prompts}
         for ids in (buckets.values() if compile else prompts[:1]):
             generate(model, ids, new_tokens if compile else 4, draft=draft, width=width, depth=depth,
                      compile=compile, eos_token_id=[])

@@ -146,6 +146,16 @@ def _device(model: nn.Module) -> torch.device:
     return model.get_input_embeddings().weight.device
 
 
+def cache_length(prompt: int, max_new_tokens: int, room_tokens: int, room_depth: int,
+                 compile: bool | str) -> int:
+    """Positions of a generation's KV cache: the prompt, the new tokens, and the last pass's tree
+    (`room_tokens` slots, `room_depth` levels past the last token); compiled, rounded up to a multiple
+    of CACHE_BUCKET, since compiled forwards are shaped by the cache and prompts of similar length then
+    share one graph."""
+    length = max(prompt + max_new_tokens + room_depth, prompt + max_new_tokens - 1 + room_tokens)
+    return -(-length // CACHE_BUCKET) * CACHE_BUCKET if compile else length
+
+
 def warn_if_slower(choice, auto, draft: str, acceptance: str) -> bool:
     """Warn where the chosen shape's predicted tokens/s is below plain decoding's (a draft step too
     costly beside the verify forward, or too little accepted); True when it warned."""
@@ -249,12 +259,10 @@ def generate(
     if draft_model is not None:
         check_draft_vocabulary(vocab, check_causal_lm(draft_model, "draft"))
     prompt = ids[0].to("cpu", torch.long)
-    length = check_length(model.config, prompt.numel(), max_new_tokens, room_depth)
+    check_length(model.config, prompt.numel(), max_new_tokens, room_depth)
     if draft_model is not None:
         check_length(draft_model.config, prompt.numel(), max_new_tokens, room_depth)
-    length = max(length, prompt.numel() + max_new_tokens - 1 + room_tokens)  # the last tree's slots
-    if compile:  # compiled forwards are shaped by the cache: prompts of similar length share one graph
-        length = -(-length // CACHE_BUCKET) * CACHE_BUCKET
+    length = cache_length(prompt.numel(), max_new_tokens, room_tokens, room_depth, compile)
     device = _device(model)
     need = generation_bytes(model, draft_model, length, room_tokens, vocab)
     self_draft = drafter if isinstance(drafter, SelfDraft) else None
