@@ -294,6 +294,19 @@ def check_routing_skew(skew) -> None:
                             ">= 0 (0: uniform routing), or None to plan for uniform routing")
 
 
+def with_routing_skew(model: ModelCost, routing_skew: float | None) -> ModelCost:
+    """`model` with the expert popularity of Zipf(`routing_skew`) routing (`experts.zipf_popularity`),
+    what a GPU expert cache's slots serve; `model` itself for None or a model without experts.
+    ArgumentError for a skew that is not a Zipf exponent."""
+    if routing_skew is None:
+        return model
+    check_routing_skew(routing_skew)
+    if not model.experts:
+        return model
+    return dataclasses.replace(model, popularity=zipf_popularity(model.experts, model.top_k,
+                                                                 float(routing_skew)))
+
+
 def plan(
     model: ModelCost,
     budget: int,
@@ -327,11 +340,7 @@ def plan(
         Zipf(routing_skew) law (`experts.zipf_popularity`; 0: uniform), so k slots serve the k most
         popular experts' share of the reads; None: uniform routing.
     """
-    if routing_skew is not None:
-        check_routing_skew(routing_skew)
-        if model.experts:
-            model = dataclasses.replace(model, popularity=zipf_popularity(model.experts, model.top_k,
-                                                                          float(routing_skew)))
+    model = with_routing_skew(model, routing_skew)
     if strategy not in STRATEGIES:
         raise ArgumentError(f"strategy={strategy!r}: choose one of {', '.join(STRATEGIES)}")
     if compress not in (True, False, "auto"):

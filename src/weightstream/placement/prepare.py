@@ -6,7 +6,6 @@ the places) does the moving.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Collection
 from dataclasses import dataclass
 
@@ -22,9 +21,8 @@ from ..wire.codec import choose
 from .blocks import find_blocks
 from .cost import ModelCost, largest
 from .entries import Entry, _collect
-from .experts import zipf_popularity
 from .layout import Slice, pack
-from .plan import Placement, plan
+from .plan import Placement, plan, with_routing_skew
 from .probe import MachineProfile, load_profile
 
 # diffusers' hooks that move or recast a module's weights in every forward, by the names diffusers
@@ -250,14 +248,11 @@ def prepare(
     wire = compress is not False and (placement is None if predict_wire is None else predict_wire)
     cost = model_cost(entries, per_block, [size for _, size in layouts], activation_width(model),
                       expert_routing(model), wire=wire)
-    if config.routing_skew is not None and cost.experts:  # what a GPU expert cache of k slots serves
-        cost = dataclasses.replace(cost, popularity=zipf_popularity(cost.experts, cost.top_k,
-                                                                    float(config.routing_skew)))
+    cost = with_routing_skew(cost, config.routing_skew)  # what a GPU expert cache of k slots serves
     if placement is None:
         profile = load_profile(device) if profile is None else profile
         placement = plan(cost, budget, tokens, profile, strategy, host_bytes=host_bytes, compress=compress,
-                         experts_apart=experts_apart, expert_cache=config.expert_cache,
-                         routing_skew=config.routing_skew)
+                         experts_apart=experts_apart, expert_cache=config.expert_cache)
     elif placement.gpu_bytes > budget or max(placement.streamed + placement.uva, default=-1) >= len(found):
         raise ArgumentError(
             f"the given placement needs {format_size(placement.gpu_bytes)} of GPU memory for blocks up to "
