@@ -28,6 +28,7 @@ from .engine.uva import uva_view
 from .errors import OffloadStateError
 from .formats.disk import DiskTier
 from .placement.entries import _set_tensor
+from .placement.experts import fit_routing_skew, routers
 from .placement.plan import Placement, placement_of
 from .placement.prepare import Prepared, _plain, final_places, prepare
 from .sizes import format_size
@@ -201,8 +202,6 @@ class OffloadHandle:
             self._choices = None
         if not on:
             return
-        from .placement.experts import routers
-
         self._choices = ChoiceCounter([r for m in self._blocks for _, r in routers(m)], self.device)
         experts = self._cost.experts
         in_place = [0] * len(self._blocks)
@@ -227,8 +226,6 @@ class OffloadHandle:
         `handle.restore(); ws.offload(model, ..., routing_skew=handle_skew)`. None without counting,
         before the routers made 4 choices per expert on average (a few decode steps say little), or
         for a model without routers. Reading it synchronizes."""
-        from .placement.experts import fit_routing_skew
-
         shares = self._choices.shares() if self._choices is not None else None
         return None if shares is None else fit_routing_skew(shares, self._choices.top_k)
 

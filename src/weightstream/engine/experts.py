@@ -95,9 +95,10 @@ class ChoiceCounter:
         """Each router's share of the choices per expert since the hooks went on; None until the
         routers made `least` choices per expert on average (fewer say little of a popularity)."""
         rows = self.choices.tolist()  # the one synchronization: when asked
-        if not rows or sum(map(sum, rows)) < least * len(rows) * len(rows[0]):
+        totals = [sum(row) for row in rows]
+        if not rows or sum(totals) < least * len(rows) * len(rows[0]):
             return None
-        return [[c / sum(row) for c in row] for row in rows if sum(row)]
+        return [[c / total for c in row] for row, total in zip(rows, totals, strict=True) if total]
 
     def remove(self) -> None:
         for hook in self.hooks:
