@@ -94,6 +94,18 @@ def rss_while(call):
     return result, before, peak[0], rss_bytes()
 
 
+def wide_moe(layers: int = 2, seed: int = 0):
+    """A Qwen3-MoE with 32 experts, top 4, wide enough (hidden 256) for its routing statistics to mean
+    something; eval mode, no grads."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(vocab_size=512, hidden_size=256, intermediate_size=256, moe_intermediate_size=32,
+                            num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                            head_dim=64, num_experts=32, num_experts_per_tok=4)
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config).eval().requires_grad_(False)
+
+
 def weight_bytes(model) -> int:
     """Bytes of the model's distinct parameters and buffers."""
     seen = {id(t): t for t in list(model.parameters()) + list(model.buffers())}

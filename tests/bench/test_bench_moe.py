@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+from conftest import wide_moe
 
 from weightstream.bench import cli
 from weightstream.bench.causal_lm import skew_routing
@@ -28,17 +29,6 @@ def popularity(model, ids: torch.Tensor) -> list[torch.Tensor]:
     for h in hooks:
         h.remove()
     return [c / c.sum() for c in counts]
-
-
-def wide_moe(seed: int = 0):
-    """A Qwen3-MoE with 32 experts, top 4, wide enough for its router inputs to look random."""
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
-
-    config = Qwen3MoeConfig(vocab_size=512, hidden_size=256, intermediate_size=256, moe_intermediate_size=32,
-                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                            num_experts=32, num_experts_per_tok=4)
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config).eval().requires_grad_(False)
 
 
 def zipf_top_share(experts: int, top_k: int, s: float, most: int) -> float:
@@ -69,13 +59,7 @@ def test_skew_zero_routes_a_prefill_to_every_expert_in_every_layer_and_decode_st
     """Random weights alone concentrate routing in deeper layers; `--routing-skew 0` (Gumbel noise
     hashed from each token's hidden state) spreads it: no expert takes much more than its share, every
     expert is reached by a 96-token prefill in every layer, and single tokens route apart."""
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
-
-    config = Qwen3MoeConfig(vocab_size=512, hidden_size=256, intermediate_size=256, moe_intermediate_size=32,
-                            num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                            num_experts=32, num_experts_per_tok=4)
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).eval().requires_grad_(False)
+    model = wide_moe(layers=4)
     ids = torch.randint(0, 512, (1, 96), generator=torch.Generator().manual_seed(5))
     skew_routing(model, 0.0, seed=1)
     for share in popularity(model, ids):

@@ -422,9 +422,12 @@ def test_routing_skew_fits_the_zipf_exponent_the_routers_were_given(skew):
     """A Qwen3-MoE of 32 experts, top 4, its routers made to draw from Zipf(skew) (the bench's synthetic
     routing), offloaded with its experts read in place: after `count_experts()` and a few forwards,
     `handle.routing_skew()` gives back about that exponent; None before counting. Exact throughout."""
-    from skewed_moe import skewed_qwen3_moe
+    from conftest import wide_moe
 
-    ref = skewed_qwen3_moe(skew)
+    from weightstream.bench.causal_lm import skew_routing
+
+    ref = wide_moe()
+    skew_routing(ref, skew, seed=0)
     model = copy.deepcopy(ref)
     handle = ws.offload(model, gpu_memory=sum(p.nbytes for p in model.parameters()) // 3, device="cpu",
                         strategy="uva")
