@@ -29,11 +29,3 @@ def test_a_fraction_of_a_byte_is_refused_not_read_as_zero(fraction):
     0 B: a bare number or bytes with a fractional part is refused, saying what to give."""
     with pytest.raises(ValueError, match="bytes come whole.*'6GiB'"):
         parse_size(fraction)
-
-
-def test_the_plan_command_refuses_a_fraction_for_gpu_memory(capsys):
-    from weightstream.cli import main
-
-    assert main(["plan", "llama-3-8b", "--gpu-memory", "0.25"]) == 2
-    err = capsys.readouterr().err
-    assert "bytes come whole" in err and len(err.strip().splitlines()) == 1
