@@ -161,9 +161,36 @@ def test_ws_auto_skew_tells_the_planner_the_synthetic_skew_and_stays_exact(tmp_p
     rows = {r["method"]: r for r in json.loads(out.read_text())["results"]}
     assert rows["ws-auto"]["exact"] and rows["ws-auto-skew"]["exact"]
     assert rows["ws-auto-skew"]["setup"]["routing_skew"] == 2.0
-    # one decode token's choices are too few to fit a popularity: not recorded
-    assert "routing_skew_fit" not in rows["ws-auto"]["setup"]
+    # the routers' choices over the 64 decode tokens the timed calls cycled through fit a skew
+    assert rows["ws-auto"]["setup"]["routing_skew_fit"] >= 0
     assert "routing_skew" not in rows["ws-auto"]["setup"]
     assert build_model("tiny-moe", torch.device("cpu")).__dict__.get("synthetic_routing_skew") is None
     with routing_skew("tiny-moe", 2.0, seed=0):
         assert build_model("tiny-moe", torch.device("cpu")).synthetic_routing_skew == 2.0
+
+
+def test_timed_calls_of_a_mixture_of_experts_cycle_through_inputs_and_compare_the_phases_own(tmp_path):
+    """A GPU expert cache timed on one token again and again serves every call from the cache: the
+    timed calls of a mixture of experts cycle through ROTATING_TOKENS tokens of fixed inputs (each call
+    copies the next into the one input buffer, as a graph's static input), and the output compared with
+    the reference is the phase's own input's. A dense model's calls keep the phase's one input."""
+    from weightstream.bench import runner
+    from weightstream.bench.phases import parse_phase
+
+    decode, prefill = parse_phase("decode-b1"), parse_phase("prefill-8")
+    suite = runner._start("tiny-moe", [0.5], [decode, prefill], ["eager"], 1, torch.device("cpu"),
+                          str(tmp_path / "x.json"), 0, False, "test")
+    bank = runner.rotating_inputs(suite, decode)
+    assert bank.shape == (runner.ROTATING_TOKENS, 1, 1) and torch.equal(bank[0], suite.inputs["decode-b1"])
+    assert len({tuple(b.flatten().tolist()) for b in bank}) > runner.ROTATING_TOKENS // 2
+    assert runner.rotating_inputs(suite, prefill).shape == (runner.ROTATING_TOKENS // 8, 1, 8)
+    seen = []
+    suite.model.register_forward_pre_hook(lambda m, args, kw: seen.append(args[0].clone()), with_kwargs=True)
+    call = runner.make_call(suite, "eager", suite.inputs["decode-b1"], None, decode, bank)
+    outs = [call() for _ in range(len(bank))]
+    assert [s.tolist() for s in seen] == [b.tolist() for b in [*bank[1:], bank[0]]]
+    assert torch.equal(call.first(), outs[-1]) and torch.equal(seen[-1], bank[0])
+    assert torch.equal(outs[-1], suite.forward_fn()(suite.inputs["decode-b1"]))
+    dense = runner._start("tiny", [0.5], [decode], ["eager"], 1, torch.device("cpu"),
+                          str(tmp_path / "y.json"), 0, False, "test")
+    assert runner.rotating_inputs(dense, decode) is None

@@ -47,6 +47,18 @@ def test_moe_shapes_record_what_differs_from_the_published_model():
     assert "note" not in shapes.get_shape("qwen3-30b-a3b").record()
 
 
+def test_a_model_class_without_sdpa_is_built_with_eager_attention_and_the_record_says_so():
+    """transformers has no SDPA path for GPT-OSS (its attention sinks): building it with SDPA fails, so
+    the bench builds it, reference and offloaded alike, with eager attention and records that."""
+    gpt_oss, qwen = shapes.get_shape("gpt-oss-20b"), shapes.get_shape("qwen3-30b-a3b")
+    assert gpt_oss.model.config(gpt_oss.fields)._attn_implementation == "eager"
+    assert "eager" in gpt_oss.record()["attention"]
+    assert qwen.model.config(qwen.fields)._attn_implementation == "sdpa"
+    assert "attention" not in qwen.record()
+    model = gpt_oss.model.meta(gpt_oss.fields)
+    assert model.config._attn_implementation == "eager"
+
+
 @pytest.mark.parametrize("name, experts, top_k", [("qwen3-30b-a3b", 128, 8), ("gpt-oss-20b", 32, 4),
                                                   ("deepseek-v2-lite", 64, 6), ("qwen3-235b-a22b", 128, 8)])
 def test_moe_shapes_plan_routed_reads_at_decode_and_copies_at_prefill(name, experts, top_k):

@@ -39,7 +39,9 @@ How to add:
   further keywords to `offload`. Every weightstream row records wire_bytes, wire_raw_bytes and
   wire_ratio, and its link bound counts wire bytes; on an offloaded mixture of experts its setup also
   records `expert_bytes_per_token` and `expert_hit_rate` (where a GPU expert cache is on), counted over
-  one eager forward after the timed calls (`runner.expert_fields`).
+  eager forwards of the inputs the timed calls cycled through (`runner.rotating_inputs`: a mixture of
+  experts is timed on routing that changes from call to call), after the timed calls
+  (`runner.expert_fields`).
 - a shape of a known kind: one `Shape(name, fields)` entry in `shapes.SHAPES` (planning shapes come
   from `weightstream/placement/shapes.py`, so a planning shape is benched as soon as it is added there).
 - quantized weights of another format: a variant in `quantized_lm.py` (its `quantize` and `meta`),

@@ -31,8 +31,17 @@ class CausalLM:
     dtype_name = "bfloat16"  # recorded in the result document's `shape`
 
     def config(self, fields: dict):
-        """The transformers config, SDPA attention."""
-        return shape_config(fields, attn_implementation="sdpa")
+        """The transformers config, SDPA attention where the model class has it (the resident reference
+        and every method run the same attention); eager attention otherwise (GPT-OSS in transformers 5:
+        its attention sinks have no SDPA path), which `attention` names for the result record."""
+        return shape_config(fields, attn_implementation=self.attention(fields))
+
+    def attention(self, fields: dict) -> str:
+        """The attention implementation the bench builds this shape with: "sdpa" or "eager"."""
+        from transformers import AutoModelForCausalLM
+
+        model_class = AutoModelForCausalLM._model_mapping[type(shape_config(fields))]
+        return "sdpa" if getattr(model_class, "_supports_sdpa", False) else "eager"
 
     def build(self, fields: dict, device: torch.device, seed: int) -> nn.Module:
         """Random bf16 weights created on `device`, in eval mode, no grads."""

@@ -126,17 +126,59 @@ def compare(suite: Suite, method: Method, row: ResultRow, out: torch.Tensor) -> 
     row.exact, row.max_abs_diff = compare_outputs(out, ref)
 
 
+ROTATING_TOKENS = 64  # a mixture of experts' timed calls cycle through inputs of this many tokens in all
+
+
+def rotating_inputs(suite: Suite, phase: Phase) -> torch.Tensor | None:
+    """For a mixture of experts (a model with routers), inputs of the phase's shape stacked, at least
+    two and ROTATING_TOKENS tokens in all, the first the phase's own, the rest fixed random token ids:
+    its timed calls cycle through them, so a GPU expert cache is measured on routing that changes from
+    call to call as it does in generation (the same token again and again would be served from the
+    cache every time), and the routers' choices counted over them are enough to fit a skew at decode.
+    None for any other model or phase, whose calls all take the phase's one input."""
+    if phase.kind == "generate" or not routers(suite.model):
+        return None
+    x = suite.inputs[phase.name]
+    count = max(2, -(-ROTATING_TOKENS // x.numel()))
+    gen = torch.Generator().manual_seed(ROTATING_TOKENS + x.numel())
+    others = torch.randint(suite.model.config.vocab_size, (count - 1, *x.shape), generator=gen,
+                           dtype=x.dtype)
+    return torch.cat([x[None], others.to(x.device)])
+
+
 def make_call(suite: Suite, mode: str, x: torch.Tensor, compiled: Callable,
-              phase: Phase | None = None) -> Callable[[], torch.Tensor]:
-    """The zero-argument forward to time in `mode` (eager: of `phase`, a generation where it is one)."""
+              phase: Phase | None = None, bank: torch.Tensor | None = None) -> Callable[[], torch.Tensor]:
+    """The zero-argument forward to time in `mode` (eager: of `phase`, a generation where it is one).
+    With `bank` (`rotating_inputs`), each call first copies the next of its inputs into the one input
+    buffer the forward reads (a graph's static input), and `call.first()` runs the bank's first input,
+    the phase's own (the output compared with the reference)."""
+    if bank is not None:
+        x = x.clone()
     if mode == "eager":
         forward = suite.forward_fn(phase)
-        return lambda: forward(x)
-    if mode == "compiled":
-        return lambda: compiled(x)
-    if mode == "graph-eager":
-        return capture_graph(suite.forward_fn(), x)
-    return capture_graph(compiled, x)
+        call = lambda: forward(x)  # noqa: E731
+    elif mode == "compiled":
+        call = lambda: compiled(x)  # noqa: E731
+    else:
+        call = capture_graph(suite.forward_fn() if mode == "graph-eager" else compiled, x)
+        x = call.static_in
+    if bank is None:
+        return call
+    at = [0]
+
+    def cycling() -> torch.Tensor:
+        at[0] = (at[0] + 1) % len(bank)
+        x.copy_(bank[at[0]])
+        return call()
+
+    def first() -> torch.Tensor:
+        at[0] = 0
+        x.copy_(bank[0])
+        return call()
+
+    cycling.first = first
+    cycling.graph = call  # keeps a graph's static input alive
+    return cycling
 
 
 def _counters(model: nn.Module) -> tuple[int, int, int] | None:
@@ -148,14 +190,14 @@ def _counters(model: nn.Module) -> tuple[int, int, int] | None:
     return stats.misses, stats.prologues, stats.copies
 
 
-def expert_fields(suite: Suite, phase: Phase) -> dict:
+def expert_fields(suite: Suite, phase: Phase, bank: torch.Tensor | None) -> dict:
     """For an offloaded mixture of experts: `expert_bytes_per_token` (expert bytes read over the link per
     token), `expert_hit_rate` (the share of the experts reached found in a GPU expert cache, where
     there is one) and `routing_skew_fit` (the Zipf exponent that fits the routers' choices,
-    `OffloadHandle.routing_skew`), counted over one eager forward of the phase's input after the timed
-    calls (the counters add kernels, so the timed calls run without them; the caches are warm by
-    then); {} for any other model, a model not offloaded, or a generation phase."""
-    if phase.kind == "generate" or not routers(suite.model):
+    `OffloadHandle.routing_skew`), counted over eager forwards of the inputs the timed calls cycled
+    through (`bank`), after them (the counters add kernels, so the timed calls run without them; the
+    caches are warm by then); {} for any other model, a model not offloaded, or a generation phase."""
+    if phase.kind == "generate" or bank is None:
         return {}
     try:
         handle = handle_of(suite.model)
@@ -164,7 +206,8 @@ def expert_fields(suite: Suite, phase: Phase) -> dict:
     handle.count_experts()
     try:
         with torch.no_grad():
-            suite.forward_fn()(suite.inputs[phase.name])
+            for x in bank:
+                suite.forward_fn()(x)
         stats = handle.stats
         fitted = handle.routing_skew()
     finally:
@@ -177,17 +220,20 @@ def expert_fields(suite: Suite, phase: Phase) -> dict:
 def run_mode(suite: Suite, method: Method, phase: Phase, row: ResultRow, compiled: Callable) -> None:
     """Time one mode into `row`, check it against the reference, add the link bound; for an offloaded
     model also the engine's misses, pass prologues and copies per timed call (`engine_per_call`)."""
-    call = make_call(suite, row.mode, suite.inputs[phase.name], compiled, phase)
+    bank = rotating_inputs(suite, phase)
+    call = make_call(suite, row.mode, suite.inputs[phase.name], compiled, phase, bank)
     warm: list = []
     entry, out = measure(call, suite.reps, suite.device, on_warm=lambda: warm.append(_counters(suite.model)))
     after = _counters(suite.model)
+    if bank is not None:  # the reference's output is of the phase's own input
+        out = call.first()
     fill_row(row, entry, suite.bandwidth)
     compare(suite, method, row, out)
     if warm and warm[0] is not None and after is not None:
         names = ("misses", "prologues", "copies")
         row.setup = {**row.setup, "engine_per_call": {
             k: (b - a) / entry["reps"] for k, a, b in zip(names, warm[0], after, strict=True)}}
-    experts = expert_fields(suite, phase)
+    experts = expert_fields(suite, phase, bank)
     if experts:
         row.setup = {**row.setup, **experts}
     if suite.timeline and row.mode in ("eager", "compiled") and phase.kind != "generate" and (

@@ -80,11 +80,15 @@ class Shape:
     def record(self) -> dict:
         """The document's `shape` entry: name, config fields, dtype (and the note, where there is one);
         for a mixture of experts also `routing` (the synthetic routing skew, or that there is none) and
-        `routing_skew` (the Zipf exponent, None without one)."""
+        `routing_skew` (the Zipf exponent, None without one); `attention` where a causal LM runs eager
+        attention instead of SDPA (its class has no SDPA path)."""
         routing = ({"routing": routing_skew_text(self.routing_skew, self.routing_seed),
                     "routing_skew": self.routing_skew} if self.moe else {})
+        attention = getattr(self.model, "attention", None)
+        eager = attention is not None and attention(self.fields) != "sdpa"
         return {"name": self.name, **self.fields, "dtype": self.model.dtype_name,
-                **({"note": self.note} if self.note else {}), **routing}
+                **({"note": self.note} if self.note else {}), **routing,
+                **({"attention": "eager (this model class has no SDPA attention)"} if eager else {})}
 
 
 # A test-sized Llama, local to the bench (not a planning shape): CPU smoke runs of the whole harness.
