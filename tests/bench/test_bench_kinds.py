@@ -145,7 +145,22 @@ def test_codec_kind_decodes_losslessly_and_skips_the_gpu_decoder_on_a_cpu(tmp_pa
         assert torch_row["setup"]["decoded_GBps"] > 0
         for warps in (2, 4):
             assert "CUDA" in rows[(f"triton-decoder-w{warps}", phase, "eager")]["skipped"]
+            assert "CUDA" in rows[(f"triton-decoder-in-place-w{warps}", phase, "eager")]["skipped"]
     assert 0.69 < rows[("torch-decoder", "bf16-64KiB", "eager")]["wire_ratio"] < 0.73
+
+
+@pytest.mark.gpu
+def test_the_gpu_decoder_reading_the_blob_in_place_from_host_memory_is_lossless(tmp_path):
+    """`triton-decoder-in-place-wN`: the decoder reads the compressed blob through a zero-copy view of
+    pinned host memory (the compressed bytes cross the link inside the kernel) and gives back the
+    weights' bytes, as it does from device memory."""
+    doc = run_cli(["--kind", "codec", "--device", "cuda", "--group-size", "8MiB", "--warps", "2",
+                   "--reps", "2"], tmp_path)
+    rows = rows_of(doc)
+    for phase in doc["phases"]:
+        for method in ("triton-decoder-w2", "triton-decoder-in-place-w2"):
+            assert rows[(method, phase, "eager")]["exact"] is True, rows[(method, phase, "eager")]
+        assert rows[("triton-decoder-in-place-w2", phase, "eager")]["setup"]["wire_GBps"] > 0
 
 
 def test_profile_writes_a_trace_and_host_figures_per_measured_row(tmp_path):

@@ -5,7 +5,11 @@ For bf16 and fp16, one group of `--group-size` bytes is encoded (`wire.codec.enc
 decoded `--reps` times after warm-up by:
 - `torch-decoder`: the pure-torch reference decoder (`codec.decode_group`), on any device;
 - `triton-decoder-wN`: the GPU decoder (`wire.triton_decoder`) at N warps per program, for each N of
-  `--warps` (CUDA only: skipped rows on a CPU; the committed kernel uses `triton_decoder._WARPS`).
+  `--warps` (CUDA only: skipped rows on a CPU; the committed kernel uses `triton_decoder._WARPS`);
+- `triton-decoder-in-place-wN`: the same decoder reading the blob in place from pinned host memory
+  through a zero-copy view (`engine.uva.uva_view`), so the compressed bytes cross the link inside the
+  kernel: what decoding routed experts straight from host memory would cost. Its setup's `wire_GBps`
+  (wire bytes per second) compares with the document's measured host->GPU bandwidth.
 
 Each row: median ms per decode, `exact` = the decoded bytes `torch.equal` to the original weights' bytes
 (lossless), the wire fields (`wire_bytes`, `wire_raw_bytes`, `wire_ratio` of the group), `tokens` = the
@@ -96,6 +100,8 @@ def run_codec(group_bytes: int, warp_counts: list[int], reps: int, device: torch
         for row in dtype_rows(dtype_name, phase, group_bytes, warp_counts, reps, device, seed):
             doc["results"].append(asdict(row))
             speed = f"{row.setup['decoded_GBps']:.1f} GB/s" if "decoded_GBps" in row.setup else ""
+            if "wire_GBps" in row.setup:
+                speed += f" decoded ({row.setup['wire_GBps']:.1f} GB/s of wire bytes read in place)"
             log(f"{row.method} {phase}: " + (f"{row.median_ms:.3f} ms, {speed}, exact {row.exact}"
                                              if row.median_ms is not None else row.error or row.skipped))
         write_json(doc, out_path)
@@ -124,4 +130,32 @@ def dtype_rows(dtype_name: str, phase: str, group_bytes: int, warp_counts: list[
                 triton_decoder.decode(blob, out, enc.chunks)
         rows.append(decoder_row(method, phase, call, want, out, enc, reps, device))
         rows[-1].setup["warps"] = n
+    rows += in_place_rows(phase, blob, want, out, enc, warp_counts, reps, device)
+    return rows
+
+
+def in_place_rows(phase: str, blob: torch.Tensor, want: torch.Tensor, out: torch.Tensor, enc,
+                  warp_counts: list[int], reps: int, device: torch.device) -> list[ResultRow]:
+    """The GPU decoder reading the blob in place from pinned host memory, at each warp count (skipped
+    rows on a CPU); each row's setup has `wire_GBps`, the wire bytes it read per second."""
+    methods = [f"triton-decoder-in-place-w{n}" for n in warp_counts]
+    if device.type != "cuda":
+        return [ResultRow(m, phase, None, "eager", skipped="reading host memory in place needs a CUDA device")
+                for m in methods]
+    from ..engine.uva import uva_view
+    from ..wire import triton_decoder
+
+    host = torch.empty(blob.numel(), dtype=torch.uint8, pin_memory=True)
+    host.copy_(blob)
+    view = uva_view(host, device)
+    rows = []
+    for n, method in zip(warp_counts, methods, strict=True):
+        def call(n=n):
+            with warps(n):
+                triton_decoder.decode(view, out, enc.chunks)
+        row = decoder_row(method, phase, call, want, out, enc, reps, device)
+        row.setup["warps"] = n
+        if row.median_ms is not None:
+            row.setup["wire_GBps"] = enc.wire_bytes / (row.median_ms / 1e3) / 1e9
+        rows.append(row)
     return rows
