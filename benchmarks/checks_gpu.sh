@@ -48,7 +48,7 @@ if ls .whl/*.whl >/dev/null 2>&1; then
         .whl/*.whl
 fi
 export PYTHONPATH=src:/tmp/site
-GPU_TESTS="python3 -m pytest -m gpu -q -p no:cacheprovider -rf"
+GPU_TESTS="python3 -m pytest -m gpu -q -p no:cacheprovider -rfs"
 bench() { python3 -m weightstream bench "$@"; }
 # SmolLM2 speculative against plain greedy, from CUDA graphs (eager, a model this small is bound by
 # kernel launches: its tokens/s say little about speculation)
