@@ -45,6 +45,24 @@ def test_a_checkpoint_adds_plain_and_speculative_generation_rows_with_the_plain_
         setup = rows[method]["setup"]
         assert setup["identical_share"] == 1.0 and setup["first_difference"] == [None, None]
         assert rows[method]["tokens_per_s"] > 0 and "accepted_per_pass" in rows[method]["setup"]
+    assert "chat template" in doc["prompts"]
+
+
+def test_a_tokenizer_without_a_chat_template_gets_the_passage_as_plain_text(checkpoint):
+    """A GGUF converted by transformers may come without its chat template (Gemma-3-270M's): the bench
+    frames the passage as plain text instead of failing, and the document says which form it used."""
+    from weightstream.bench.speculative_run import ASK, prompt_form, prompt_ids
+
+    _, tokenizer = checkpoint
+    text = "w5 w6 w7"
+    chat = prompt_ids(tokenizer, text)
+    assert "chat template" in prompt_form(tokenizer)
+    tokenizer.chat_template = None
+    plain = prompt_ids(tokenizer, text)
+    assert "plain text" in prompt_form(tokenizer)
+    want = tokenizer(ASK + text + "\n\n", return_tensors="pt")["input_ids"]
+    assert plain.shape[0] == 1 and plain.tolist() == want.tolist()
+    assert chat.tolist() != plain.tolist()
 
 
 @pytest.mark.slow

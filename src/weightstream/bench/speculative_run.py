@@ -165,15 +165,32 @@ def _timed(row: ResultRow, call, reps: int, device: torch.device, bandwidth: flo
     return row
 
 
+ASK = "Explain in simple words what this passage says:\n\n"
+
+
+def prompt_ids(tokenizer, text: str) -> torch.Tensor:
+    """The prompt's token ids, (1, n): the request ASK + `text` in the tokenizer's chat template where it
+    has one (an instruct model), else as plain text followed by a blank line (a GGUF converted without
+    its template, a base model). `prompt_form` says which."""
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template([{"role": "user", "content": ASK + text}],
+                                             add_generation_prompt=True, return_tensors="pt",
+                                             return_dict=True)["input_ids"]
+    return tokenizer(ASK + text + "\n\n", return_tensors="pt")["input_ids"]
+
+
+def prompt_form(tokenizer) -> str:
+    """How `prompt_ids` frames a passage for this tokenizer (recorded with the generation rows)."""
+    form = "the tokenizer's chat template" if getattr(tokenizer, "chat_template", None) else "plain text"
+    return f"{form}: {ASK.strip()!r} and the passage"
+
+
 def generation_rows(model: nn.Module, tokenizer, budget: int, new_tokens: int, count: int, width: int,
                     depth: int, device: torch.device, modes: tuple[str, ...] = ("eager",)) -> list[ResultRow]:
     """`ws-plain` and `ws-speculative-<draft>` rows over `count` prompts in each of `modes` (module
     docstring); `model` is resident on `device` (it is offloaded here for each row, and restored after
     it)."""
-    prompts = [tokenizer.apply_chat_template(
-        [{"role": "user", "content": f"Explain in simple words what this passage says:\n\n{text}"}],
-        add_generation_prompt=True, return_tensors="pt", return_dict=True)["input_ids"].to(device)
-        for text in passages(count)]
+    prompts = [prompt_ids(tokenizer, text).to(device) for text in passages(count)]
     runs = [("ws-plain", None, "none"),
             ("ws-speculative-prompt-lookup", "prompt-lookup", "n-grams of the context")]
     for bits in (4, 8):  # each built when its row runs, and dropped after it
@@ -302,6 +319,8 @@ def run_speculative(shape: str, budgets: list, trees: list[int], modes: list[str
     doc = base_header(device, bandwidth, command, "speculative", record, weights, str(device))
     budget_bytes = [resolve_budget(b, weights) for b in budgets]
     doc.update(budgets=budget_bytes, phases=[f"verify-{t}" for t in trees], reference="ws-plain")
+    if tokenizer is not None:
+        doc["prompts"] = prompt_form(tokenizer)
     for budget in budget_bytes:
         resident = copy.deepcopy(model) if tokenizer is not None else None
         offload(model, gpu_memory=budget, device=device)
