@@ -46,6 +46,7 @@ def test_a_checkpoint_adds_plain_and_speculative_generation_rows_with_the_plain_
         assert setup["identical_share"] == 1.0 and setup["first_difference"] == [None, None]
         assert rows[method]["tokens_per_s"] > 0 and "accepted_per_pass" in rows[method]["setup"]
     assert "chat template" in doc["prompts"]
+    assert doc["shape"]["name"] == folder.name and doc["shape"]["path"] == str(folder)  # no path in names
 
 
 def test_a_tokenizer_without_a_chat_template_gets_the_passage_as_plain_text(checkpoint):

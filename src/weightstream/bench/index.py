@@ -269,7 +269,8 @@ def page_plots(docs: list[dict], paths: list[str], png_dir: str) -> list[str]:
     images = []
     several = len({d["gpu"] for d in docs}) > 1
     for gpu, shape in dict.fromkeys((d["gpu"], d["shape"]["name"]) for d in docs):
-        images.append(os.path.join(png_dir, f"bench_{gpu_tag(gpu) + '_' if several else ''}{shape}.png"))
+        safe = re.sub(r"[^A-Za-z0-9._-]+", "-", shape).strip("-")  # a shape named by a path has slashes
+        images.append(os.path.join(png_dir, f"bench_{gpu_tag(gpu) + '_' if several else ''}{safe}.png"))
         plot_tokens_per_s([d for d in docs if d["gpu"] == gpu and d["shape"]["name"] == shape], images[-1])
     for doc, path in zip(docs, paths, strict=True):
         folder = os.path.basename(os.path.dirname(os.path.abspath(path)))

@@ -309,7 +309,9 @@ def run_speculative(shape: str, budgets: list, trees: list[int], modes: list[str
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True,
                                                      dtype=getattr(torch, dtype)).to(device)
-        record, weights = {"name": checkpoint, "dtype": str(model.dtype)}, module_bytes(model)
+        # a folder is named by its last part (its full path beside it): names go into file names
+        name = {"name": checkpoint} if checkpoint == SMOLLM2 else {"name": folder.name, "path": str(folder)}
+        record, weights = {**name, "dtype": str(model.dtype)}, module_bytes(model)
     else:
         weights = shape_weight_bytes(shape)
         place, _ = build_device(weights, device)
