@@ -6,6 +6,7 @@ their caches fill and replace."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -309,6 +310,12 @@ def test_the_kernel_run_by_tritons_interpreter_matches_the_reference():
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
 
 
+# The reference profile without the gather's fixed device cost (0.26 ms a cached layer, measured on an
+# H100): next to it the zoo's tiny layers cost microseconds, so no cache would ever pay; the planner's
+# trade of slots against resident experts is tested with it at 0 (and the fixed cost on its own below).
+NO_GATHER_COST = dataclasses.replace(ws.REFERENCE_PROFILE, expert_gather_seconds=0.0)
+
+
 @pytest.mark.parametrize("tokens", [1, 2048])
 def test_the_planner_caches_experts_only_where_the_cost_model_says_it_pays(tokens):
     """Budgets between the dense bytes and the whole model, experts read in place. Under the cost model's
@@ -322,8 +329,9 @@ def test_the_planner_caches_experts_only_where_the_cost_model_says_it_pays(token
     chosen = []
     for extra in (0.3, 0.6, 0.9):
         budget = dense + int(extra * sum(cost.routed_bytes))
-        p = plan(cost, budget, tokens=tokens, strategy="uva")
-        without = plan(cost, budget, tokens=tokens, strategy="uva", expert_cache=False)
+        p = plan(cost, budget, tokens=tokens, profile=NO_GATHER_COST, strategy="uva")
+        without = plan(cost, budget, tokens=tokens, profile=NO_GATHER_COST, strategy="uva",
+                       expert_cache=False)
         assert p.gpu_bytes <= budget and p.prediction.again_ms <= without.prediction.again_ms
         chosen.append(p.expert_slots)
         if p.expert_cache:
@@ -335,6 +343,27 @@ def test_the_planner_caches_experts_only_where_the_cost_model_says_it_pays(token
                 assert same(call(twin, batch), call(model, batch))
             handle.restore()
     assert any(chosen) == (tokens > 1), chosen
+
+
+def test_the_gathers_fixed_cost_is_in_the_prediction_and_keeps_a_cache_off_where_it_outweighs_it():
+    """Each cached layer's table update and gather costs `profile.expert_gather_seconds` a forward, bytes
+    aside: a cached placement is predicted that much slower per cached layer, and on a tiny model,
+    whose layers cost microseconds, the measured 0.26 ms keeps the planner from caching at all."""
+    from weightstream.placement.cost import predict
+
+    model, _ = ZOO["mixtral"]()
+    cost = prepare(model.eval(), gpu_memory=2**40, device="cpu").cost
+    dense = cost.fixed_bytes + sum(b - r for b, r in zip(cost.block_bytes, cost.routed_bytes, strict=True))
+    budget = dense + int(0.6 * sum(cost.routed_bytes))
+    cached = plan(cost, budget, tokens=2048, profile=NO_GATHER_COST, strategy="uva")
+    assert cached.expert_cache
+    placed = {k: getattr(cached, k) for k in ("uva_experts", "expert_cache", "expert_slots", "part")}
+    args = (cost, cached.streamed, cached.n_slots, cached.uva, 2048)
+    slower, faster = (predict(*args, p, **placed) for p in (ws.REFERENCE_PROFILE, NO_GATHER_COST))
+    extra = len(cached.expert_cache) * ws.REFERENCE_PROFILE.expert_gather_seconds * 1e3
+    assert slower.ms == pytest.approx(faster.ms + extra)
+    assert slower.warm_ms == pytest.approx(faster.warm_ms + extra)
+    assert not plan(cost, budget, tokens=2048, profile=ws.REFERENCE_PROFILE, strategy="uva").expert_cache
 
 
 def test_offload_expert_cache_false_plans_no_cache_where_the_default_plans_one():
@@ -350,7 +379,8 @@ def test_offload_expert_cache_false_plans_no_cache_where_the_default_plans_one()
     cache_bytes = {}
     for switch in (True, False):
         twin = copy.deepcopy(model)
-        config = ws.OffloadConfig(budget, device="cpu", tokens=2048, strategy="uva", expert_cache=switch)
+        config = ws.OffloadConfig(budget, device="cpu", tokens=2048, strategy="uva", expert_cache=switch,
+                                  profile=NO_GATHER_COST)
         handle = ws.offload(twin, config)
         cache_bytes[switch] = handle.stats.cache_bytes
         assert same(call(twin, batch), expected)
@@ -393,11 +423,11 @@ def test_a_skewed_routing_lets_the_planner_cache_experts_at_decode_and_it_runs_e
     cached = []
     for extra in (0.2, 0.4, 0.6, 0.8):
         budget = dense + int(extra * sum(cost.routed_bytes))
-        uniform = plan(cost, budget, tokens=1, strategy="uva")
-        told = plan(cost, budget, tokens=1, strategy="uva", routing_skew=2.0)
+        uniform = plan(cost, budget, tokens=1, profile=NO_GATHER_COST, strategy="uva")
+        told = plan(cost, budget, tokens=1, profile=NO_GATHER_COST, strategy="uva", routing_skew=2.0)
         assert not uniform.expert_cache
         same_under_skew = placement_of(skewed, uniform.streamed, uniform.n_slots, uniform.uva,
-                                       uniform.part, 1, budget=budget, strategy="uva",
+                                       uniform.part, 1, NO_GATHER_COST, budget=budget, strategy="uva",
                                        uva_experts=uniform.uva_experts)
         assert told.prediction.again_ms <= same_under_skew.prediction.again_ms + 1e-9
         if told.expert_cache:

@@ -284,7 +284,8 @@ def predict(
     routed share crosses the link. Blocks of `expert_cache` (a subset of `uva_experts`) copy their
     routed experts into a work buffer before the GEMMs read them resident: the cached share
     (`ModelCost.cache_hit` of `expert_slots`: uniform routing, or the model's `popularity`) from the
-    device, the rest read in place once (at the one-token zero-copy rate, whatever the tokens)."""
+    device, the rest read in place once (at the one-token zero-copy rate, whatever the tokens), plus
+    the table update and gather's own `profile.expert_gather_seconds`."""
     group_of = {block: g for g, block in enumerate(streamed)}
     extra = profile.block_extra_seconds(model.width, tokens)  # every block, wherever its weights are
     on_device = model.block_seconds(tokens, profile)  # each block's seconds, its weights resident
@@ -387,7 +388,8 @@ def predict(
                     compute = copy = max(compute, copy) + seconds
                     link[forward] += seconds
                     link_bytes[forward] += nbytes
-                    compute += sum(profile.resident_seconds(b, m) for b, m in routed) + extra
+                    compute += (sum(profile.resident_seconds(b, m) for b, m in routed) + extra
+                                + profile.expert_gather_seconds)
                     continue
                 if block in experts_only:  # dense GEMMs on resident weights, then the routed reads
                     (dense, m), *routed = model.reads(block, tokens)

@@ -50,6 +50,11 @@ class MachineProfile:
     decode_s_per_byte: float = 1 / 300e9
     # the decoder generation (codec.DECODER_VERSION) that decode rate was measured with; "": not measured
     decoder: str = ""
+    # device seconds of one GPU expert cache layer's table update and gather per forward, besides the
+    # bytes it moves (about 70 small kernels, whatever the tokens); not probed: measured from a CUDA graph
+    # on an H100, qwen3-30b-a3b with 48 cached layers and every read a hit, 26.59 ms per token against
+    # the resident 14.07 ms (benchmarks/results/2026-12-07_h100_qwen3-30b-a3b-skew-cache/README.md)
+    expert_gather_seconds: float = 0.26e-3
 
     @property
     def h2d_GBps(self) -> float:
