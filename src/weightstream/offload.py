@@ -81,8 +81,8 @@ def offload(
         keep on the device, counted in `gpu_memory`: state the model writes (a KV cache in buffers),
         so it is resident from the start, also for a model compiled before its first forward.
     expert_cache: for a mixture of experts whose routed experts are read in place, let the planner
-        spend budget it leaves on a GPU expert cache per layer (slots of hot experts, filled by
-        frequency, then least recently used; docs/architecture.md) where its cost model predicts it
+        spend budget it leaves on a GPU expert cache per layer (slots holding the most frequently
+        routed experts; docs/architecture.md) where its cost model predicts it
         faster (True, the default); False: no cache. `handle.stats` reports `cache_bytes` and, while
         `handle.count_experts()` is on, `expert_hit_rate`.
     routing_skew: the expert popularity the cache is planned for: tokens draw their experts from a

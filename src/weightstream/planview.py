@@ -155,7 +155,7 @@ def format_report(r: dict) -> str:
            "of each resident" if r["zero_copy"].get("experts_only_blocks") else ""),
         *([f"{'expert cache':12}{len(r['expert_cache']['blocks']):>8}{size(r['expert_cache']['bytes']):>14}"
            f"   {r['expert_cache']['slots']} of {r['expert_cache']['experts']} experts per block on the GPU "
-           "(filled by frequency, then least recently used out), pools and work buffers; "
+           "(the most frequently routed), pools and work buffers; "
            f"{r['expert_cache']['hit_share']:.0%} of the routed reads under "
            + ("uniform routing" if r["expert_cache"].get("routing_skew") is None
               else f"Zipf({r['expert_cache']['routing_skew']:g}) routing")]

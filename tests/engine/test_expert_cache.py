@@ -496,3 +496,30 @@ def test_a_skewed_popularity_reaches_fewer_experts_than_uniform_routing_and_the_
     assert abs(uniform.reached_share(tokens) - closed) < 1e-9
     assert skewed.reached_share(tokens) <= closed + 1e-9
     assert abs(skewed.reached_share(1) - top_k / experts) < 1e-9
+
+
+def test_by_default_the_cache_keeps_the_most_frequent_experts_which_serves_skewed_routing_best():
+    """A router choosing 8 of 128 experts from a Zipf(1) popularity (Gumbel top-k), 9 slots: the
+    default table (the most frequently routed experts, always) serves about what the 9 most popular
+    experts take; switching to the most recently routed after 16 calls holds mostly the previous
+    token's experts and serves far less (an H100 measured 0.324 with it)."""
+    from weightstream.placement.experts import zipf_popularity
+
+    experts, top_k, slots = 128, 8, 9
+    logits = -torch.log(torch.arange(1, experts + 1, dtype=torch.float64))
+    gen = torch.Generator().manual_seed(1)
+    noise = -torch.log(-torch.log(torch.rand(1600, experts, generator=gen, dtype=torch.float64)))
+    routing = torch.topk(logits + noise, top_k).indices
+
+    def served(table: CacheTable) -> float:
+        for i, idx in enumerate(routing):
+            if i == 400:  # after a warm-up
+                table.counts.zero_()
+            table.step(table.routed(idx[None]), 1)
+        counts = table.counts.tolist()
+        return counts[3] / counts[2]
+
+    best = sum(zipf_popularity(experts, top_k, 1.0)[:slots])
+    frequent = served(CacheTable(experts, slots, torch.device("cpu")))
+    recent = served(CacheTable(experts, slots, torch.device("cpu"), fill_calls=16))
+    assert best - 0.03 < frequent and recent < frequent - 0.08

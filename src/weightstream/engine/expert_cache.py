@@ -18,7 +18,12 @@ CUDA the same copy runs in plain torch (`copy_rows_reference`), so the CPU backe
 Policy: while a layer's first `fill_calls` calls run, the cache holds the most frequently routed experts
 so far (least frequently used replaced); after that the most recently routed ones (least recently used
 replaced). Ties go to an expert already cached, then the more frequent, then the lower index. An expert
-never routed to is never cached. New experts are copied host -> slot, then slot -> work buffer.
+never routed to is never cached. By default `fill_calls` is never reached: the cache keeps the most
+frequently routed experts throughout. Recency lost to it where slots are few: with 9 slots for a
+router choosing 8 of 128 experts from a Zipf(1) popularity, the most recent hold mostly the previous
+token's experts and served 0.32 of the reads on an H100 (0.30 with this table on the CPU), the most
+frequent 0.425 (the 9 most popular take 0.431); a small `fill_calls` suits routing that shifts. New
+experts are copied host -> slot, then slot -> work buffer.
 
 Under torch.compile the gather is the custom op `weightstream::expert_gather`, which takes the experts'
 inputs and returns copies of them (as the schedule ops of `ops.py` do), so every read of the parameters
@@ -39,7 +44,7 @@ from ..placement.entries import Entry, _set_tensor
 from ..placement.experts import is_experts
 from . import ops
 
-FILL_CALLS = 16  # calls of a layer during which the cache fills by frequency; least recently used after
+FILL_CALLS = 1 << 40  # calls of a layer during which the cache keeps the most frequent; by default, always
 _ID_BITS = 10  # the expert index in the ordering key (up to 1024 experts)
 _FREQ_BITS = 24  # routing counts in the key, saturating
 _CACHED_SHIFT = _ID_BITS + _FREQ_BITS
