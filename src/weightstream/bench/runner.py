@@ -177,7 +177,6 @@ def make_call(suite: Suite, mode: str, x: torch.Tensor, compiled: Callable,
         return call()
 
     cycling.first = first
-    cycling.graph = call  # keeps a graph's static input alive
     return cycling
 
 
@@ -205,9 +204,10 @@ def expert_fields(suite: Suite, phase: Phase, bank: torch.Tensor | None) -> dict
         return {}
     handle.count_experts()
     try:
+        forward = suite.forward_fn()
         with torch.no_grad():
             for x in bank:
-                suite.forward_fn()(x)
+                forward(x)
         stats = handle.stats
         fitted = handle.routing_skew()
     finally:
