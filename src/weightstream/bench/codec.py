@@ -9,7 +9,8 @@ decoded `--reps` times after warm-up by:
 - `triton-decoder-in-place-wN`: the same decoder reading the blob in place from pinned host memory
   through a zero-copy view (`engine.uva.uva_view`), so the compressed bytes cross the link inside the
   kernel: what decoding routed experts straight from host memory would cost. Its setup's `wire_GBps`
-  (wire bytes per second) compares with the document's measured host->GPU bandwidth.
+  (wire bytes read per second, in every Triton row) compares with the document's measured host->GPU
+  bandwidth.
 
 Each row: median ms per decode, `exact` = the decoded bytes `torch.equal` to the original weights' bytes
 (lossless), the wire fields (`wire_bytes`, `wire_raw_bytes`, `wire_ratio` of the group), `tokens` = the
@@ -101,7 +102,7 @@ def run_codec(group_bytes: int, warp_counts: list[int], reps: int, device: torch
             doc["results"].append(asdict(row))
             speed = f"{row.setup['decoded_GBps']:.1f} GB/s" if "decoded_GBps" in row.setup else ""
             if "wire_GBps" in row.setup:
-                speed += f" decoded ({row.setup['wire_GBps']:.1f} GB/s of wire bytes read in place)"
+                speed += f" decoded ({row.setup['wire_GBps']:.1f} GB/s of wire bytes read)"
             log(f"{row.method} {phase}: " + (f"{row.median_ms:.3f} ms, {speed}, exact {row.exact}"
                                              if row.median_ms is not None else row.error or row.skipped))
         write_json(doc, out_path)
@@ -117,43 +118,39 @@ def dtype_rows(dtype_name: str, phase: str, group_bytes: int, warp_counts: list[
     out = torch.zeros(group_bytes, dtype=torch.uint8, device=device)
     rows = [decoder_row("torch-decoder", phase, lambda: codec.decode_group(blob, out), want, out, enc, reps,
                         device)]
-    for n in warp_counts:
-        method = f"triton-decoder-w{n}"
-        if device.type != "cuda":
-            rows.append(ResultRow(method, phase, None, "eager",
-                                  skipped="the Triton decoder needs a CUDA device"))
-            continue
-        from ..wire import triton_decoder
-
-        def call(n=n):
-            with warps(n):
-                triton_decoder.decode(blob, out, enc.chunks)
-        rows.append(decoder_row(method, phase, call, want, out, enc, reps, device))
-        rows[-1].setup["warps"] = n
-    rows += in_place_rows(phase, blob, want, out, enc, warp_counts, reps, device)
+    rows += triton_rows("triton-decoder", phase, lambda: blob, want, out, enc, warp_counts, reps, device,
+                        skip="the Triton decoder needs a CUDA device")
+    rows += triton_rows("triton-decoder-in-place", phase, lambda: in_place(blob, device), want, out, enc,
+                        warp_counts, reps, device, skip="reading host memory in place needs a CUDA device")
     return rows
 
 
-def in_place_rows(phase: str, blob: torch.Tensor, want: torch.Tensor, out: torch.Tensor, enc,
-                  warp_counts: list[int], reps: int, device: torch.device) -> list[ResultRow]:
-    """The GPU decoder reading the blob in place from pinned host memory, at each warp count (skipped
-    rows on a CPU); each row's setup has `wire_GBps`, the wire bytes it read per second."""
-    methods = [f"triton-decoder-in-place-w{n}" for n in warp_counts]
-    if device.type != "cuda":
-        return [ResultRow(m, phase, None, "eager", skipped="reading host memory in place needs a CUDA device")
-                for m in methods]
+def in_place(blob: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A zero-copy device view of a pinned host copy of `blob`: the decoder reads it across the link."""
     from ..engine.uva import uva_view
-    from ..wire import triton_decoder
 
     host = torch.empty(blob.numel(), dtype=torch.uint8, pin_memory=True)
     host.copy_(blob)
-    view = uva_view(host, device)
+    return uva_view(host, device)
+
+
+def triton_rows(method: str, phase: str, source, want: torch.Tensor, out: torch.Tensor, enc,
+                warp_counts: list[int], reps: int, device: torch.device, *, skip: str) -> list[ResultRow]:
+    """The GPU decoder at each warp count (`<method>-wN`), reading the blob `source()` makes (skipped
+    rows saying `skip` on a CPU); each row's setup has `warps` and `wire_GBps`, the wire bytes it read
+    per second."""
+    methods = [f"{method}-w{n}" for n in warp_counts]
+    if device.type != "cuda":
+        return [ResultRow(m, phase, None, "eager", skipped=skip) for m in methods]
+    from ..wire import triton_decoder
+
+    blob = source()
     rows = []
-    for n, method in zip(warp_counts, methods, strict=True):
+    for n, name in zip(warp_counts, methods, strict=True):
         def call(n=n):
             with warps(n):
-                triton_decoder.decode(view, out, enc.chunks)
-        row = decoder_row(method, phase, call, want, out, enc, reps, device)
+                triton_decoder.decode(blob, out, enc.chunks)
+        row = decoder_row(name, phase, call, want, out, enc, reps, device)
         row.setup["warps"] = n
         if row.median_ms is not None:
             row.setup["wire_GBps"] = enc.wire_bytes / (row.median_ms / 1e3) / 1e9
