@@ -121,6 +121,7 @@ def test_a_cpu_run_records_its_routing_in_the_document_and_the_printout(tmp_path
     (["--shape", "tiny-moe", "--routing-skew", "-1"], "Zipf exponent of 0 (uniform routing) or more"),
     (["--shape", "tiny-moe", "--routing-skew", "nan"], "Zipf exponent of 0 (uniform routing) or more"),
     (["--kind", "codec", "--routing-skew", "1.0"], "--routing-skew does not apply to --kind codec"),
+    (["--shape", "tiny-moe", "--routing-skew", "inf"], "Zipf exponent of 0 (uniform routing) or more"),
 ])
 def test_routing_skew_refusals_are_one_line_and_exit_2(capsys, argv, says):
     assert cli.main(["--device", "cpu", *argv, "--out", "/nonexistent/never.json"]) == 2

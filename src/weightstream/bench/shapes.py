@@ -16,6 +16,8 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from ..errors import ArgumentError
+from ..placement.plan import check_routing_skew as check_skew_number
 from ..placement.shapes import SHAPES as PLANNING_SHAPES
 from ..sizes import format_size
 from .causal_lm import CAUSAL_LM, routing_skew_text, skew_routing
@@ -196,9 +198,11 @@ def check_routing_skew(shape: str, skew: float | None) -> None:
     mixture-of-experts shape."""
     if skew is None:
         return
-    if not skew >= 0:  # `not >=` also refuses nan
+    try:
+        check_skew_number(skew)
+    except ArgumentError:
         raise ValueError(f"--routing-skew {skew:g}: give a Zipf exponent of 0 (uniform routing) or more "
-                         "(e.g. 1.0), or leave it out")
+                         "(e.g. 1.0), or leave it out") from None
     if not get_shape(shape).moe:
         moe = ", ".join(n for n, s in SHAPES.items() if s.moe)
         raise ValueError(f"--routing-skew applies to mixtures of experts, not --shape {shape}: use one of "

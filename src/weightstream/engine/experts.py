@@ -30,7 +30,18 @@ class RoutedBlock:
     streamed_bytes: int
 
 
-class ExpertCounter:
+class RouterHooks:
+    """Forward hooks on routers (`self.hooks`); `remove()` takes them off."""
+
+    hooks: list
+
+    def remove(self) -> None:
+        for hook in self.hooks:
+            hook.remove()
+        self.hooks = []
+
+
+class ExpertCounter(RouterHooks):
     """Forward hooks on the routers of `blocks` and the device counters they add to (see the module
     docstring); `remove()` takes the hooks off."""
 
@@ -68,13 +79,8 @@ class ExpertCounter:
             total += cached["host_bytes"]
         return total / tokens if tokens else None
 
-    def remove(self) -> None:
-        for hook in self.hooks:
-            hook.remove()
-        self.hooks = []
 
-
-class ChoiceCounter:
+class ChoiceCounter(RouterHooks):
     """Forward hooks on `routers` (all of a model's blocks, offloaded or not) adding, on the device, how
     often each expert was chosen: the popularity `OffloadHandle.routing_skew` fits. No host
     synchronization per call; `remove()` takes the hooks off."""
@@ -100,7 +106,3 @@ class ChoiceCounter:
             return None
         return [[c / total for c in row] for row, total in zip(rows, totals, strict=True) if total]
 
-    def remove(self) -> None:
-        for hook in self.hooks:
-            hook.remove()
-        self.hooks = []
