@@ -13,6 +13,8 @@
 #     moe-skew   qwen3-30b-a3b at 8 GiB, decode, Zipf(1) synthetic routing: ws-auto (planned for
 #                uniform routing) against ws-auto-skew (told the skew: a GPU expert cache) (about 5)
 #     moe-shapes deepseek-v2-lite and gpt-oss-20b at 8 GiB, decode, as `moe` (about 6)
+#     moe-deepseek-timeline  deepseek-v2-lite at 8 GiB, decode, eager, ws-auto with its profiler timeline
+#                (each kernel's name and span: where the time over the link bound goes) (about 3)
 #     moe-shapes-prefill  deepseek-v2-lite and gpt-oss-20b at 8 GiB, a 2048-token prefill under uniform
 #                synthetic routing: resident against ws-auto (about 3)
 #     moe-prefill  the same at a 2048-token prefill with uniform synthetic routing (--routing-skew 0:
@@ -94,6 +96,10 @@ moe-shapes)
             --method-seconds 80 --out "$OUT/suite_${shape}_experts.json" 2>&1 \
             | tee "$OUT/suite_${shape}_experts.log" | grep "^\[" | tail -8
     done ;;
+moe-deepseek-timeline)
+    bench --shape deepseek-v2-lite --budgets 8GiB --phases decode-b1 --modes eager --methods resident,ws-auto \
+        --reps 10 --max-seconds 150 --method-seconds 80 --out "$OUT/suite_deepseek-v2-lite_timeline.json" 2>&1 \
+        | tee "$OUT/suite_deepseek-v2-lite_timeline.log" | grep "^\[" | tail -6 ;;
 moe-shapes-prefill)
     for shape in deepseek-v2-lite gpt-oss-20b; do
         bench --shape "$shape" --budgets 8GiB --phases prefill-2048 --modes eager --routing-skew 0 \
@@ -132,5 +138,5 @@ spec-smollm2)
 codec-in-place)
     bench --kind codec --warps 2,4,8 --group-size 256MiB --reps 20 --out "$OUT/codec_in_place.json" 2>&1 \
         | tee "$OUT/codec_in_place.log" | tail -14 ;;
-*) echo "unknown part $1 (tests-a, tests-b, lora, load, moe, moe-skew, moe-shapes, moe-shapes-prefill, moe-prefill, spec, spec-smollm2, spec-auto, spec-bf16, spec-32b, spec-32b-graph, codec-in-place, keep-a)" >&2; exit 2 ;;
+*) echo "unknown part $1 (tests-a, tests-b, lora, load, moe, moe-skew, moe-shapes, moe-deepseek-timeline, moe-shapes-prefill, moe-prefill, spec, spec-smollm2, spec-auto, spec-bf16, spec-32b, spec-32b-graph, codec-in-place, keep-a)" >&2; exit 2 ;;
 esac
