@@ -56,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
                            "fastest, chosen again from the acceptance measured)")
     text.add_argument("--routing-skew", type=float, default=None, metavar="S",
                       help="a mixture of experts: plan its GPU expert cache for Zipf(S) expert popularity, "
-                           "as offload(routing_skew=S) (default: uniform routing)")
+                           "as offload(routing_skew=S) (default: uniform routing); the cache pays from "
+                           "CUDA graphs, and this command decodes eagerly, where it is slower (it warns)")
     image = gen.add_argument_group("image (a diffusers pipeline folder)")
     image.add_argument("--steps", type=int, default=None,
                        help="denoising steps (default: the pipeline's own, e.g. 28 for Flux)")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import warnings
 from pathlib import Path
 
 import pytest
@@ -523,3 +524,31 @@ def test_by_default_the_cache_keeps_the_most_frequent_experts_which_serves_skewe
     frequent = served(CacheTable(experts, slots, torch.device("cpu")))
     recent = served(CacheTable(experts, slots, torch.device("cpu"), fill_calls=16))
     assert best - 0.03 < frequent and recent < frequent - 0.08
+
+
+def test_eager_forwards_on_a_gpu_warn_once_that_the_cache_costs_more_than_it_saves_unless_captured():
+    """The count behind the warning (the GPU test drives it through real forwards): on a GPU the
+    first cached layer's hook reports each eager forward and whether a CUDA graph capture is running;
+    on the CPU backend nothing is watched."""
+    from weightstream.engine.expert_cache import EAGER_WARN_CALLS
+
+    model, inputs = ZOO["qwen3_moe"]()
+    handle, _ = cached_offload(model.eval().requires_grad_(False), slots=2)
+    caches = handle.expert_caches
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(EAGER_WARN_CALLS + 2):
+            call(model, dict(inputs, input_ids=inputs["input_ids"][:, :1]))
+    assert not caches.watch_eager and caches.eager_calls == 0  # the CPU backend: no eager cost to warn of
+    caches.watch_eager = True  # as on a GPU
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(EAGER_WARN_CALLS - 1):
+            caches.note_eager_call(capturing=False)
+    with pytest.warns(UserWarning, match=rf"ran {EAGER_WARN_CALLS} forwards eagerly.*expert_cache=False.*--routing-skew"):
+        caches.note_eager_call(capturing=False)
+    assert not caches.watch_eager  # once per model
+    caches.watch_eager, caches.eager_calls = True, 0
+    caches.note_eager_call(capturing=True)  # a capture: its replays skip Python, so no warning ever
+    assert not caches.watch_eager
+    handle.restore()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import warnings
 
 import pytest
 import torch
@@ -102,6 +103,30 @@ def test_cached_experts_replay_from_a_cuda_graph_exactly_and_the_cache_moves_wit
     assert len({str(t) for t in tables}) > 1, "the replays never changed a table"
     with torch.no_grad():  # and eagerly after the replays, from the tables they left
         assert torch.equal(model(ids, use_cache=False).logits, ref(ids, use_cache=False).logits)
+    handle.restore()
+
+
+def test_eager_decode_through_the_cache_warns_once_and_a_captured_one_never():
+    """Real forwards on the GPU: 32 eager ones warn once (the cache's launches cost more than it saves
+    eagerly); a model captured in a CUDA graph after its warm-up never warns, however often it then
+    runs (replays run no Python)."""
+    from weightstream.engine.expert_cache import EAGER_WARN_CALLS
+
+    _, model, ids = gpu_twin("qwen3_moe")
+    handle = cached(model)
+    with torch.no_grad(), pytest.warns(UserWarning, match="ran .* forwards eagerly") as seen:
+        for _ in range(EAGER_WARN_CALLS + 4):
+            model(ids[:, :1], use_cache=False)
+    assert sum("forwards eagerly" in str(w.message) for w in seen) == 1
+    handle.restore()
+    _, model, ids = gpu_twin("qwen3_moe")
+    handle = cached(model)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        replay = capture_graph(lambda x: model(x, use_cache=False).logits, ids[:, :1])
+        for _ in range(EAGER_WARN_CALLS + 4):
+            replay()
+    assert not handle.expert_caches.watch_eager
     handle.restore()
 
 
