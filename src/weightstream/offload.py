@@ -89,7 +89,8 @@ def offload(
         Zipf(routing_skew) law (0: uniform; trained MoE routers are skewed: a cache of the most
         popular experts then serves more than its share of the reads), so the planner may trade
         resident blocks for cache slots, at decode too. None (default): uniform routing, where a
-        slot serves only its share and the cache pays at prefill and large batches only.
+        slot serves only its share and the cache pays at prefill and large batches only. At decode the
+        cache pays from CUDA graphs; eagerly its launches cost more than it saves (a warning says so).
 
     A tensor a block writes in its forward (a buffer it updates in place) is state, not a weight: it
     stays resident from that forward on, counted in `gpu_memory` (a warning names it; BudgetError where
