@@ -202,7 +202,7 @@ def generate(
     nn.Module, on the model's device), None (one token per pass) or a `Draft`.
     width, depth: the tree of every verify pass, `1 + width * depth` tokens (width 1: a chain); "auto"
     for either: chosen once, before the prefill, to maximise the decode tokens/s the placement's cost
-    model predicts with the draft's prior acceptance (`shape_choice.py`; widths 1..8, depths 1..12,
+    model predicts with the draft's prior acceptance (`shape_choice.py`; widths 1..8, depths 1..24,
     trees of at most 128 tokens), reported in `stats.predicted_tokens_per_second` beside plain
     decoding's prediction (a UserWarning where the best tree is predicted slower); chosen once more
     after `rechoose_after` passes (None: never) from the acceptance those passes measured, kept for the
