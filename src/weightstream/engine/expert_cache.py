@@ -51,7 +51,7 @@ from ..placement.entries import Entry, _set_tensor
 from ..placement.experts import is_experts
 from . import ops
 
-EAGER_WARN_CALLS = 32  # eager forwards on a GPU, none captured, before the cache warns it is slower so
+EAGER_WARN_CALLS = 32  # eager forwards on a GPU, no capture seen, after which the cache warns it costs more
 FILL_CALLS = 1 << 40  # calls of a layer during which the cache keeps the most frequent; by default, always
 _ID_BITS = 10  # the expert index in the ordering key (up to 1024 experts)
 _FREQ_BITS = 24  # routing counts in the key, saturating
