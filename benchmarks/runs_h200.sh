@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Every result recorded under benchmarks/results/ that a command can make again, one `weightstream bench`
+# Every result recorded under benchmarks/results/ up to 2026-12-05 that a command can make again (those
+# since come from benchmarks/checks_gpu.sh parts, each folder's README naming its commands), one `weightstream bench`
 # line each (the results' own files say what they measured: each JSON's `command`, each folder's README).
 # Usage, from the repository root on the GPU machine ($OUT: the device's output folder):
 #   bash benchmarks/runs_h200.sh list            the names, one per recorded result
