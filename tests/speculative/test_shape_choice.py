@@ -16,7 +16,7 @@ from test_loop import off_gpu_blocks, offloaded, plain_greedy, repetitive_prompt
 
 import weightstream as ws
 from weightstream.errors import ArgumentError
-from weightstream.speculative import DraftModel
+from weightstream.speculative import DraftModel, SelfDraft
 from weightstream.speculative.checks import max_depth
 from weightstream.speculative.shape_choice import (
     DEPTHS,
@@ -27,7 +27,12 @@ from weightstream.speculative.shape_choice import (
     expected_accepted,
     objective,
 )
-from weightstream.speculative.shape_costs import auto_shape
+from weightstream.speculative.shape_costs import (
+    SELF_DRAFT_RATIO,
+    auto_shape,
+    drafted_share,
+    self_draft_scale,
+)
 
 
 @settings(max_examples=200, deadline=None)
@@ -162,3 +167,20 @@ def test_a_draft_predicted_slower_than_plain_decoding_warns_and_a_cheap_one_does
         stats = ws.generate(offloaded_model, ids, 8, draft="prompt-lookup", width="auto", depth="auto",
                             eos_token_id=[]).stats
     assert stats.predicted_tokens_per_second > stats.predicted_plain_tokens_per_second
+
+
+def test_a_self_draft_step_costs_its_drafted_blocks_more_than_resident_ones():
+    """Measured on an H100, a drafted (dequantize-then-matmul) block costs SELF_DRAFT_RATIO times its
+    resident time: the predicted self-draft step is the resident forward scaled by the share of block
+    bytes drafted, 1x for a model with every block on the device."""
+    model = offloaded(make_model("llama"))
+    share = drafted_share(model)
+    assert 0 < share <= 1 and ws.handle_of(model).placement.streamed
+    auto = auto_shape(model, SelfDraft(bits=4, group=64), "auto", "auto", None, False)
+    resident = auto_shape(make_model("llama"), SelfDraft(bits=4, group=64), "auto", "auto", None, False)
+    for w in (1, 4):
+        want = resident.draft_step_ms(w) * (1 - share + share * SELF_DRAFT_RATIO)
+        assert auto.draft_step_ms(w) == pytest.approx(want, rel=1e-9)
+        assert auto.draft_step_ms(w) > resident.draft_step_ms(w)
+    assert self_draft_scale(0.0) == 1.0 and self_draft_scale(1.0) == SELF_DRAFT_RATIO
+    assert drafted_share(make_model("llama")) == 0.0

@@ -5,8 +5,15 @@ An offloaded model's verify forward is predicted for its own placement (`placeme
 the profile it was planned with (the machine's cached profile; the reference H200 profile on the CPU
 backend): a forward in a loop of them (`warm_ms`), or entered with nothing staged (`ms`) where it
 replays from a CUDA graph. A resident model is costed with every block resident. A draft step of
-`width` tokens: 0 ms for prompt lookup; for the self-draft or a draft model, the draft's modules all
-resident at `width` tokens (for the self-draft an upper bound: its low-bit copies read fewer bytes).
+`width` tokens: 0 ms for prompt lookup; for a draft model, its own forward as placed; for the
+self-draft, the model's forward with every block resident, its drafted blocks (those off the GPU)
+costing `SELF_DRAFT_RATIO` times their resident time. A drafted weight is dequantized into a buffer
+that the matmul then reads (`quantize.QuantizedWeight`), so it is not cheaper than a resident one:
+measured on an H100 from CUDA graphs, the Llama-3-8B shape at 25% (31 of its 32 blocks off the GPU,
+drafted in int4, groups of 128: 3.59 GB of copies) took 19.93 ms a one-token draft step
+(benchmarks/results/2026-12-07_h100_speculative-graph-step) against 6.69 ms for the resident model's
+compiled decode step replayed from a CUDA graph (benchmarks/results/2026-12-07_h100_written-tensors-ab):
+3.04x the resident time for the drafted blocks' part.
 """
 
 from __future__ import annotations
@@ -34,6 +41,21 @@ from .shape_choice import (
     candidates,
     choose_shape,
 )
+
+# a drafted block's step time over its resident time: (19.93 / 6.69 - 1 / 32) / (31 / 32), int4 g128, one
+# token, from CUDA graphs on an H100 (module docstring); int8 copies are taken to cost the same
+SELF_DRAFT_RATIO = 3.04
+
+
+def drafted_share(model: nn.Module) -> float:
+    """The share of an offloaded model's block bytes a self-draft copies low-bit: its blocks off the GPU
+    (streamed or read in place); 0 for a model not offloaded."""
+    handle = getattr(model, _HANDLE_ATTR, None)
+    if handle is None or handle.restored:
+        return 0.0
+    sizes, p = handle._cost.block_bytes, handle.placement
+    total = sum(sizes)
+    return sum(sizes[i] for i in set(p.streamed) | set(p.uva)) / total if total else 0.0
 
 
 def _forward_ms(model: nn.Module, replay: bool, resident: bool = False) -> Callable[[int], float]:
@@ -74,6 +96,11 @@ def _dimension(name: str, value) -> tuple[int, ...] | None:
     if value == "auto":
         return WIDTHS if name == "width" else DEPTHS
     return None
+
+
+def self_draft_scale(share: float) -> float:
+    """A self-draft step's time over the resident forward's when `share` of the block bytes is drafted."""
+    return 1.0 - share + share * SELF_DRAFT_RATIO
 
 
 @dataclass(frozen=True)
@@ -124,7 +151,10 @@ def auto_shape(model: nn.Module, drafter, width, depth, max_depth: int | None,
     replay = compile == "reduce-overhead"
     verify_ms = _forward_ms(model, replay)
     if isinstance(drafter, SelfDraft):
-        draft_step_ms = _forward_ms(model, replay, resident=True)  # every module on the device
+        resident_ms, scale = _forward_ms(model, replay, resident=True), self_draft_scale(drafted_share(model))
+
+        def draft_step_ms(w: int) -> float:
+            return resident_ms(w) * scale
     elif isinstance(drafter, DraftModel):
         draft_step_ms = _forward_ms(drafter.model, replay)
     else:
