@@ -4,7 +4,9 @@
 # Usage (repository root, diffusers' wheel in .whl/, $OUT set by the device tool):
 #   bash benchmarks/checks_gpu.sh PART
 #     tests-a    the GPU tests but the model zoo, pipelines, wire and speculative ones (about 5 minutes)
-#     tests-b    the rest: model zoo, pipelines (folders loaded into place), wire, speculative (about 5)
+#     tests-b    the model zoo and pipelines (folders loaded into place) (about 3)
+#     tests-c    the wire codec and speculative decoding (about 3; an H100 ran tests-b and tests-c as one
+#                part past 260 s)
 #     lora       a Flux.1-dev step at 12 GiB without and with an unfused rank-16 LoRA (about 4 minutes)
 #     load       the Flux.1-dev pipeline saved, then loaded into place with cpu_memory 16GiB, gpu 12GiB:
 #                the load's host peak (target: at most cpu_memory + 2 GiB) and the image against the
@@ -65,8 +67,9 @@ tests-a)
     $GPU_TESTS --ignore=tests/speculative --ignore=tests/test_gpu_model_zoo.py --ignore=tests/test_pipeline.py \
         --ignore=tests/wire tests/ 2>&1 | tee "$OUT/gpu_tests_a.log" | tail -20 ;;
 tests-b)
-    $GPU_TESTS tests/test_gpu_model_zoo.py tests/test_pipeline.py tests/wire tests/speculative 2>&1 \
-        | tee "$OUT/gpu_tests_b.log" | tail -20 ;;
+    $GPU_TESTS tests/test_gpu_model_zoo.py tests/test_pipeline.py 2>&1 | tee "$OUT/gpu_tests_b.log" | tail -20 ;;
+tests-c)
+    $GPU_TESTS tests/wire tests/speculative 2>&1 | tee "$OUT/gpu_tests_c.log" | tail -20 ;;
 lora)
     for rank in 0 16; do
         lora=(); [ "$rank" = 0 ] || lora=(--lora "$rank")
@@ -138,5 +141,5 @@ spec-smollm2)
 codec-in-place)
     bench --kind codec --warps 2,4,8 --group-size 256MiB --reps 20 --out "$OUT/codec_in_place.json" 2>&1 \
         | tee "$OUT/codec_in_place.log" | tail -14 ;;
-*) echo "unknown part $1 (tests-a, tests-b, lora, load, moe, moe-skew, moe-shapes, moe-deepseek-timeline, moe-shapes-prefill, moe-prefill, spec, spec-smollm2, spec-auto, spec-bf16, spec-32b, spec-32b-graph, codec-in-place, keep-a)" >&2; exit 2 ;;
+*) echo "unknown part $1 (tests-a, tests-b, tests-c, lora, load, moe, moe-skew, moe-shapes, moe-deepseek-timeline, moe-shapes-prefill, moe-prefill, spec, spec-smollm2, spec-auto, spec-bf16, spec-32b, spec-32b-graph, codec-in-place, keep-a)" >&2; exit 2 ;;
 esac
