@@ -158,7 +158,9 @@ def format_report(r: dict) -> str:
            "(the most frequently routed), pools and work buffers; "
            f"{r['expert_cache']['hit_share']:.0%} of the routed reads under "
            + ("uniform routing" if r["expert_cache"].get("routing_skew") is None
-              else f"Zipf({r['expert_cache']['routing_skew']:g}) routing")]
+              else f"Zipf({r['expert_cache']['routing_skew']:g}) routing")
+           + "; its launches are predicted as replayed from a CUDA graph (eagerly they cost more than the "
+             "cache saves at decode)"]
           if r.get("expert_cache", {}).get("blocks") else []),
         f"on the wire: {size(r['wire']['bytes'])} of {size(r['wire']['raw_bytes'])} streamed per forward, "
         + (f"compressed (ratio {r['wire']['ratio']:.3f}; landing buffers {r['wire']['landing_buffers']} x "
