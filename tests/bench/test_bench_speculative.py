@@ -111,7 +111,8 @@ def test_a_checkpoint_in_bf16_reports_the_share_of_identical_prompts(tmp_path, c
 @pytest.mark.parametrize("argv, message", [
     (["--kind", "speculative", "--shape", "tiny", "--trees", "0"], "--trees: give at least 1"),
     (["--kind", "speculative", "--shape", "tiny", "--trees", "a"], "give whole numbers"),
-    (["--kind", "speculative", "--shape", "tiny", "--modes", "graph-eager"], "runs eager, compiled or graph"),
+    (["--kind", "speculative", "--shape", "tiny", "--modes", "graph-x"], "runs eager, compiled, graph or"),
+    (["--kind", "speculative", "--shape", "tiny", "--modes", "graph-eager"], "run it on a CUDA device"),
     (["--kind", "speculative", "--shape", "tiny", "--tree", "3"], "give WIDTHxDEPTH"),
     (["--kind", "load", "--shape", "tiny", "--trees", "4"], "--trees does not apply to --kind load"),
     (["--kind", "speculative", "--shape", "tiny", "--checkpoint-dtype", "bfloat16"], "give one, or leave it"),
@@ -120,3 +121,41 @@ def test_mistakes_are_one_line_and_exit_2(argv, message, tmp_path, capsys):
     assert main(["bench", "--device", "cpu", *argv, "--out", str(tmp_path / "x.json")]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.gpu
+def test_graph_eager_rows_replay_a_capture_of_the_eager_forward_with_its_logits(tmp_path):
+    """`--modes graph-eager`: each verify and draft-step row replays a CUDA graph of the eager forward
+    (no compile); a replay's logits equal an eager run's of the same inputs over the same cache."""
+    import copy
+
+    import torch
+
+    from weightstream.bench.memory import module_bytes
+    from weightstream.bench.shapes import build_model
+    from weightstream.offload import offload
+    from weightstream.speculative.cache import TreeCache
+    from weightstream.speculative.tree import causal_mask
+    from weightstream.speculative.verify import TreeForward
+
+    out = tmp_path / "spec.json"
+    assert main(["bench", "--kind", "speculative", "--device", "cuda", "--shape", "tiny", "--modes",
+                 "graph-eager", "--reps", "3", "--context", "16", "--trees", "1,8", "--out", str(out)]) == 0
+    rows = validate(json.loads(out.read_text()))["results"]
+    assert [(r["method"], r["mode"]) for r in rows] == [("ws-verify", "graph-eager")] * 2 + [
+        ("ws-self-draft", "graph-eager")] * 2
+    assert all(r["error"] is None and r["median_ms"] > 0 for r in rows)
+    model = build_model("tiny", torch.device("cuda"), 0).eval().requires_grad_(False)
+    twin = copy.deepcopy(model)
+    offload(model, gpu_memory=module_bytes(model) // 2, device="cuda")
+    ids = torch.arange(5) % 7
+    args = (ids, torch.arange(5) + 16, torch.arange(5) + 16, causal_mask(16, 5, 32))
+    logits = []
+    for m in (model, twin):
+        forward = TreeForward(m, TreeCache(m.config.num_hidden_layers, 32), "cuda", m.dtype)
+        forward.prefill(torch.arange(16) % 11)
+        if m is model:
+            logits.append(forward.captured(*args)().clone())
+        else:
+            logits.append(forward.run(*args))
+    assert torch.equal(logits[0], logits[1])

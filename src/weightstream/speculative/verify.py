@@ -91,6 +91,21 @@ class TreeForward:
             forward = self._step if compiled else self._forward
             return forward(*inputs).clone()  # a CUDA graph's output is overwritten by its next replay
 
+    def captured(self, tokens: torch.Tensor, positions: torch.Tensor, write_at: torch.Tensor,
+                 mask: torch.Tensor):
+        """A function replaying, from a CUDA graph, the eager forward of `run(tokens, positions, write_at,
+        mask)`: `run` once eagerly fills the static input buffers and the cache's write positions, then
+        the eager forward over those buffers is captured (no compile). Each replay writes the same cache
+        entries and returns the same static logits (count, vocab), overwritten by the next replay. CUDA
+        only; for timing a pass without compiling it (`weightstream bench --kind speculative --modes
+        graph-eager`)."""
+        from ..placement.timing import capture_graph
+
+        self.run(tokens, positions, write_at, mask, compiled=False)
+        ids, *rest = self._buffers[tokens.numel()]
+        with torch.no_grad():
+            return capture_graph(lambda static_ids: self._forward(static_ids, *rest), ids)
+
     def prefill(self, tokens: torch.Tensor, start: int = 0) -> torch.Tensor:
         """Logits of `tokens` (count,) written at [start, start + count) with a causal mask, eagerly."""
         count = tokens.numel()
