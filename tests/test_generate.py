@@ -41,6 +41,22 @@ def test_chat_template_and_compiled_static_cache(checkpoint, capsys):
     assert summary.new_tokens >= 1 and summary.tokens_per_second > 0
 
 
+def test_compile_graphs_decodes_in_reduce_overhead_mode_with_the_reference_text(checkpoint, capsys):
+    """`--compile graphs`: the forward compiled with mode="reduce-overhead" (each step a CUDA graph
+    replay on a GPU; compiled alone on the CPU), the same text as the resident model's; a value other
+    than fullgraph or graphs is refused."""
+    folder, tokenizer = checkpoint
+    prompt = "w3 w4 w5"
+    argv = ["generate", str(folder), "--prompt", prompt, "--gpu-memory", "200KB", "--max-new-tokens", "4",
+            "--device", "cpu", "--compile"]
+    assert main(argv + ["graphs"]) == 0
+    want = expected_text(folder, tokenizer, tokenizer(prompt, return_tensors="pt")["input_ids"], 4)
+    assert want.strip() and want.strip() in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(argv + ["cudagraphs"])
+    assert "invalid choice: 'cudagraphs'" in capsys.readouterr().err
+
+
 def test_generate_reports_bad_folders_without_a_traceback(checkpoint, tmp_path, capsys):
     args = ["--prompt", "w1", "--gpu-memory", "1GB", "--device", "cpu"]
     assert main(["generate", str(tmp_path / "nothing"), *args]) == 2

@@ -41,8 +41,11 @@ def main(argv: list[str] | None = None) -> int:
                      help="e.g. bfloat16 (default: the checkpoint's; for a pipeline each component's)")
     text = gen.add_argument_group("text (a causal LM checkpoint)")
     text.add_argument("--max-new-tokens", type=int, default=None, help="tokens to generate (default 64)")
-    text.add_argument("--compile", action="store_true",
-                      help="static KV cache and torch.compile(fullgraph=True)")
+    text.add_argument("--compile", nargs="?", const="fullgraph", default=None,
+                      choices=("fullgraph", "graphs"),
+                      help="static KV cache and torch.compile(fullgraph=True); --compile graphs: also "
+                           'mode="reduce-overhead", each step replayed from a CUDA graph (what a GPU '
+                           "expert cache needs to pay)")
     text.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     text.add_argument("--speculate", default=None, metavar="{prompt-lookup,self,DRAFT_FOLDER}",
                       help="speculative decoding: drafts from n-grams of the context (prompt-lookup), from "
@@ -57,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     text.add_argument("--routing-skew", type=float, default=None, metavar="S",
                       help="a mixture of experts: plan its GPU expert cache for Zipf(S) expert popularity, "
                            "as offload(routing_skew=S) (default: uniform routing); the cache pays from "
-                           "CUDA graphs, and this command decodes eagerly, where it is slower (it warns)")
+                           "CUDA graphs (--compile graphs); eagerly it is slower (it warns)")
     image = gen.add_argument_group("image (a diffusers pipeline folder)")
     image.add_argument("--steps", type=int, default=None,
                        help="denoising steps (default: the pipeline's own, e.g. 28 for Flux)")
@@ -161,8 +164,9 @@ def _run(args: argparse.Namespace) -> int:
         else:
             summary = generate_text(
                 args.path, args.prompt, config, max_new_tokens=64 if args.max_new_tokens is None else
-                args.max_new_tokens, compile=args.compile, chat=args.chat, dtype=args.dtype,
-                speculate=args.speculate, tree=_tree_option(args), cpu_memory=args.cpu_memory,
+                args.max_new_tokens, compile=COMPILE_OPTION.get(args.compile, False), chat=args.chat,
+                dtype=args.dtype, speculate=args.speculate, tree=_tree_option(args),
+                cpu_memory=args.cpu_memory,
             )
         print(summary)
         return 0
@@ -177,6 +181,9 @@ def _tree_option(args: argparse.Namespace) -> str:
         raise ArgumentError(f"--tree {args.tree} not used here: a tree is drafted with --speculate only; add "
                             "--speculate prompt-lookup (or self, or a draft folder), or drop --tree")
     return args.tree or "4x6"
+
+
+COMPILE_OPTION = {"fullgraph": True, "graphs": "reduce-overhead"}  # --compile's value -> generate_text's
 
 
 def _refuse_unused(given: dict[str, object], why: str) -> None:

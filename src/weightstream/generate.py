@@ -118,7 +118,7 @@ def generate_text(
     gpu_memory: int | str | OffloadConfig,
     *,
     max_new_tokens: int = 64,
-    compile: bool = False,
+    compile: bool | str = False,
     chat: bool = False,
     device: str | None = None,
     dtype: str | None = None,
@@ -129,12 +129,13 @@ def generate_text(
 ) -> GenerationSummary:
     """Load `path` offloaded under `gpu_memory`, generate greedily from `prompt`, print the text as it
     comes (when `echo`), and return the summary. compile: static KV cache and
-    `torch.compile(fullgraph=True)` of the forward. chat: wrap the prompt in the tokenizer's chat
-    template. speculate: "prompt-lookup", "self" (the model's resident modules plus int4 copies, groups
-    of 128, of the blocks it keeps off the GPU) or the folder of a draft checkpoint with the same
-    tokenizer (loaded resident); the draft's weights count in `gpu_memory` (the split is printed on
-    stderr when `echo`; `weightstream plan --speculate` shows it beforehand): speculative decoding with
-    trees of `tree` ("WIDTHxDEPTH", or "auto": the shape the cost model predicts fastest, as
+    `torch.compile(fullgraph=True)` of the forward; "reduce-overhead" compiles it in that mode, so each
+    step replays from a CUDA graph (on a GPU; on the CPU it is compiled alone). chat: wrap the prompt in
+    the tokenizer's chat template. speculate: "prompt-lookup", "self" (the model's resident modules plus
+    int4 copies, groups of 128, of the blocks it keeps off the GPU) or the folder of a draft checkpoint
+    with the same tokenizer (loaded resident); the draft's weights count in `gpu_memory` (the split is
+    printed on stderr when `echo`; `weightstream plan --speculate` shows it beforehand): speculative
+    decoding with trees of `tree` ("WIDTHxDEPTH", or "auto": the shape the cost model predicts fastest, as
     `ws.generate(width="auto", depth="auto")`), a progress bar on stderr and the text printed at the
     end.
     cpu_memory: host memory for the offloaded weights, bytes or "16GiB", as for `from_pretrained` (None:
@@ -176,7 +177,8 @@ def generate_text(
                   pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id or 0, disable_compile=True)
     if compile:
         kwargs["cache_implementation"] = "static"
-        model.forward = torch.compile(model.forward, fullgraph=True)
+        mode = compile if isinstance(compile, str) else None
+        model.forward = torch.compile(model.forward, fullgraph=True, mode=mode)
     start = time.perf_counter()
     streamer = _timed_streamer(tokenizer, start, echo)
     model.generate(ids, streamer=streamer, **kwargs)
@@ -207,7 +209,7 @@ def _split_budget(folder: Path, gpu_memory: int | str | OffloadConfig, speculate
 
 
 def _speculate(model, tokenizer, ids: torch.Tensor, speculate: str, width: int, depth: int,
-               max_new_tokens: int, compile: bool, echo: bool) -> GenerationSummary:
+               max_new_tokens: int, compile: bool | str, echo: bool) -> GenerationSummary:
     """`generate_text` by speculative decoding with the draft `speculate` names; the text printed at the
     end."""
     handle = handle_of(model)

@@ -279,7 +279,7 @@ class ExpertCaches:
                 "which make eager decode slower than without the cache (1.84x on an H100, Qwen3-30B-A3B). "
                 "Decode from a CUDA graph (torch.compile(model, mode=\"reduce-overhead\") or "
                 "torch.cuda.graph), where it pays, or offload with expert_cache=False to run eagerly "
-                "(`weightstream generate`: leave out --routing-skew).",
+                "(`weightstream generate`: --compile graphs, or leave out --routing-skew).",
                 stacklevel=2)
 
     def counts(self) -> dict[str, float]:
