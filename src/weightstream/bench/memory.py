@@ -9,16 +9,13 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from ..placement.blocks import module_bytes  # noqa: F401  (the bench's methods import it from here)
+
 
 def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the distinct tensors given (meta tensors count their size)."""
     unique = {id(t): t for t in tensors}
     return sum(t.numel() * t.element_size() for t in unique.values())
-
-
-def module_bytes(module: nn.Module) -> int:
-    """Bytes of a module's distinct parameters and buffers."""
-    return tensor_bytes([*module.parameters(), *module.buffers()])
 
 
 def allocated(device: torch.device) -> int | None:

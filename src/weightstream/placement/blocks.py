@@ -24,7 +24,8 @@ class Block:
     module: nn.Module
 
 
-def _tensor_bytes(module: nn.Module) -> int:
+def module_bytes(module: nn.Module) -> int:
+    """Bytes of a module's distinct parameters and buffers (meta tensors count their size)."""
     seen: set[int] = set()
     total = 0
     for t in list(module.parameters()) + list(module.buffers()):
@@ -39,7 +40,7 @@ def _is_block_list(module: nn.Module) -> bool:
     return (
         isinstance(module, (nn.ModuleList, nn.Sequential))
         and len(children) >= 2
-        and all(_tensor_bytes(c) > 0 for c in children)
+        and all(module_bytes(c) > 0 for c in children)
     )
 
 
@@ -57,7 +58,7 @@ def _container(name: str, modules: dict[str, nn.Module]) -> bool:
     inner = [n for n, m in modules.items() if _inside(n, name) and _is_block_list(m)]
     longer = [n for n in inner if len(list(modules[n].children())) > size]
     outermost = [n for n in longer if not any(_inside(n, o) for o in longer)]
-    return bool(outermost) and 2 * sum(_tensor_bytes(modules[n]) for n in outermost) >= _tensor_bytes(outer)
+    return bool(outermost) and 2 * sum(module_bytes(modules[n]) for n in outermost) >= module_bytes(outer)
 
 
 def _inside(name: str, outer: str) -> bool:
@@ -90,7 +91,7 @@ def find_blocks(model: nn.Module, names: list[str] | None = None) -> list[Block]
             lists.append(name)
     else:
         candidates = [n for n, m in modules.items() if _is_block_list(m) and not _container(n, modules)]
-        candidates.sort(key=lambda n: -_tensor_bytes(modules[n]))
+        candidates.sort(key=lambda n: -module_bytes(modules[n]))
         lists = []
         for name in candidates:
             nested = any(_inside(name, c) or _inside(c, name) for c in lists)
