@@ -29,6 +29,7 @@ from weightstream.speculative.shape_choice import (
 )
 from weightstream.speculative.shape_costs import (
     SELF_DRAFT_RATIO,
+    _forward_ms,
     auto_shape,
     drafted_share,
     self_draft_scale,
@@ -172,15 +173,20 @@ def test_a_draft_predicted_slower_than_plain_decoding_warns_and_a_cheap_one_does
 def test_a_self_draft_step_costs_its_drafted_blocks_more_than_resident_ones():
     """Measured on an H100, a drafted (dequantize-then-matmul) block costs SELF_DRAFT_RATIO times its
     resident time: the predicted self-draft step is the resident forward scaled by the share of block
-    bytes drafted, 1x for a model with every block on the device."""
+    bytes drafted, the blocks `SelfDraft.block_names` gives (off the GPU; every block of a resident
+    model; the ones it names)."""
     model = offloaded(make_model("llama"))
-    share = drafted_share(model)
+    draft = SelfDraft(bits=4, group=64)
+    share = drafted_share(model, draft)
     assert 0 < share <= 1 and ws.handle_of(model).placement.streamed
-    auto = auto_shape(model, SelfDraft(bits=4, group=64), "auto", "auto", None, False)
-    resident = auto_shape(make_model("llama"), SelfDraft(bits=4, group=64), "auto", "auto", None, False)
+    auto = auto_shape(model, draft, "auto", "auto", None, False)
+    resident_ms = _forward_ms(model, False, resident=True)
     for w in (1, 4):
-        want = resident.draft_step_ms(w) * (1 - share + share * SELF_DRAFT_RATIO)
+        want = resident_ms(w) * (1 - share + share * SELF_DRAFT_RATIO)
         assert auto.draft_step_ms(w) == pytest.approx(want, rel=1e-9)
-        assert auto.draft_step_ms(w) > resident.draft_step_ms(w)
+        assert auto.draft_step_ms(w) > resident_ms(w)
     assert self_draft_scale(0.0) == 1.0 and self_draft_scale(1.0) == SELF_DRAFT_RATIO
-    assert drafted_share(make_model("llama")) == 0.0
+    resident = make_model("llama")
+    assert drafted_share(resident, draft) == 1.0  # a resident model's self-draft drafts every block
+    one = draft.block_names(model)[:1]
+    assert 0 < drafted_share(model, SelfDraft(bits=4, group=64, blocks=one)) < share

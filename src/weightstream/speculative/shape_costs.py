@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from ..handle import _HANDLE_ATTR
+from ..placement.blocks import find_blocks, module_bytes
 from ..placement.cost import predict
 from ..placement.plan import Placement
 from ..placement.prepare import prepare
@@ -47,15 +48,13 @@ from .shape_choice import (
 SELF_DRAFT_RATIO = 3.04
 
 
-def drafted_share(model: nn.Module) -> float:
-    """The share of an offloaded model's block bytes a self-draft copies low-bit: its blocks off the GPU
-    (streamed or read in place); 0 for a model not offloaded."""
-    handle = getattr(model, _HANDLE_ATTR, None)
-    if handle is None or handle.restored:
-        return 0.0
-    sizes, p = handle._cost.block_bytes, handle.placement
-    total = sum(sizes)
-    return sum(sizes[i] for i in set(p.streamed) | set(p.uva)) / total if total else 0.0
+def drafted_share(model: nn.Module, drafter: SelfDraft) -> float:
+    """The share of `model`'s block bytes `drafter` copies low-bit: the blocks `SelfDraft.block_names`
+    gives (those the model keeps off the GPU, every block of a resident model, or the ones it names)."""
+    total = sum(module_bytes(b.module) for b in find_blocks(model))
+    modules = dict(model.named_modules())
+    drafted = sum(module_bytes(modules[name]) for name in drafter.block_names(model))
+    return drafted / total if total else 0.0
 
 
 def _forward_ms(model: nn.Module, replay: bool, resident: bool = False) -> Callable[[int], float]:
@@ -151,7 +150,8 @@ def auto_shape(model: nn.Module, drafter, width, depth, max_depth: int | None,
     replay = compile == "reduce-overhead"
     verify_ms = _forward_ms(model, replay)
     if isinstance(drafter, SelfDraft):
-        resident_ms, scale = _forward_ms(model, replay, resident=True), self_draft_scale(drafted_share(model))
+        resident_ms = _forward_ms(model, replay, resident=True)
+        scale = self_draft_scale(drafted_share(model, drafter))
 
         def draft_step_ms(w: int) -> float:
             return resident_ms(w) * scale
