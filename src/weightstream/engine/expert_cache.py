@@ -23,8 +23,7 @@ frequently routed experts throughout. Recency lost to it where slots are few: wi
 router choosing 8 of 128 experts from a Zipf(1) popularity, the most recent hold mostly the previous
 token's experts and served 0.32 of the reads on an H100 (0.30 with this table on the CPU), the most
 frequent 0.444 on an H100 (0.425 on the CPU; the 9 most popular take 0.431); a small `fill_calls`
-suits routing that shifts. New
-experts are copied host -> slot, then slot -> work buffer.
+suits routing that shifts. New experts are copied host -> slot, then slot -> work buffer.
 
 Eagerly, on a GPU, the table update and copies are dozens of small launches per layer that the host
 issues one by one (measured on an H100, Qwen3-30B-A3B at 8 GiB: 1.6 ms a layer, decode 1.84x slower
