@@ -35,3 +35,24 @@ def raw_stored(lead: tuple[int, ...], columns: int, bits: int, group: int,
     tie = torch.rand(scales.shape, generator=gen) < 0.5
     scales = torch.where(tie, (scales & ~0xFFFF) | end, scales).view(torch.float32)
     return values, torch.where(scales.isfinite(), scales, torch.ones(()))
+
+
+def low_bit_case(lead: tuple[int, ...], outputs: int, columns: int, bits: int, group: int, dtype: torch.dtype,
+                 bias: bool, raw: bool, gen: torch.Generator):
+    """(x, values, scales, bias) for the low-bit matmul: x (*lead, columns) in `dtype`, an (outputs,
+    columns) weight stored as `quantize` stores it (of a random weight, or, raw, any bytes and any
+    scales from subnormal to 1e12 with either sign), and a bias in `dtype` or None. Every sum stays
+    finite in float32 (NaN bits differ between processors), and float16 may still overflow."""
+    from weightstream.speculative.quantize import quantize
+
+    if raw:
+        values, _ = raw_stored((outputs,), columns, bits, group, gen)
+        width = padded(columns, group) // group
+        magnitude = 10.0 ** (torch.rand(outputs, width, 1, generator=gen) * 50 - 38)
+        sign = torch.randint(0, 2, (outputs, width, 1), generator=gen) * 2 - 1
+        scales = (magnitude * sign).float()
+    else:
+        values, scales = quantize(torch.randn(outputs, columns, generator=gen) * 0.05, bits, group)
+    x = (torch.randn(*lead, columns, generator=gen) * 10.0 ** torch.randint(-3, 4, (), generator=gen)).to(dtype)
+    b = torch.randn(outputs, generator=gen).to(dtype) if bias else None
+    return x, values, scales, b

@@ -13,13 +13,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from weightstream.speculative import quantize as quantize_module
 from weightstream.speculative.quantize import (
+    LANES,
+    MAX_ROWS,
     dequantize,
+    low_bit_forward,
+    low_bit_linear,
     pack_int4,
     qmax,
     quantize,
     quantize_parameter,
     quantized_bytes,
+    runs_low_bit_linear,
     unpack_int4,
 )
 
@@ -101,4 +107,106 @@ def test_the_kernel_run_by_tritons_interpreter_matches_the_reference():
     pytest.importorskip("triton")
     run = run_interpreted(Path(__file__).parent, "import interpreted_dequant_kernel as m; "
                           "m.check_random_weights()")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+
+
+def contract(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, bits: int, columns: int,
+             bias: torch.Tensor | None) -> torch.Tensor:
+    """`low_bit_linear`'s arithmetic one float32 scalar at a time, as its docstring states it."""
+    weight = dequantize(values, scales, bits, values.shape[-1] * (8 // bits), torch.float32)
+    total = -(-weight.shape[-1] // LANES) * LANES
+    rows = x.reshape(-1, columns).float()
+    out = torch.empty(rows.shape[0], weight.shape[0], dtype=x.dtype)
+    for m in range(rows.shape[0]):
+        for n in range(weight.shape[0]):
+            lanes = [torch.zeros((), dtype=torch.float32) for _ in range(LANES)]
+            for k in range(total):
+                w = weight[n, k] if k < weight.shape[1] else torch.zeros(())
+                v = rows[m, k] if k < columns else torch.zeros(())
+                lanes[k % LANES] = lanes[k % LANES] + w * v
+            while len(lanes) > 1:
+                lanes = [lanes[i] + lanes[i + 1] for i in range(0, len(lanes), 2)]
+            y = lanes[0] + bias[n].float() if bias is not None else lanes[0]
+            out[m, n] = y.to(x.dtype)
+    return out.reshape(*x.shape[:-1], weight.shape[0])
+
+
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(1, 2), outputs=st.integers(1, 2), columns=st.integers(1, 300),
+       bits=st.sampled_from([4, 8]), group=st.sampled_from([64, 96, 128]),
+       dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]), bias=st.booleans(),
+       raw=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_the_low_bit_matmul_reference_adds_in_the_order_its_contract_states(rows, outputs, columns, bits, group,
+                                                                            dtype, bias, raw, seed):
+    """The vectorized reference against the contract computed one scalar at a time (the order of the
+    additions decides the last bits, and the GPU kernel is held to this order)."""
+    from low_bit_cases import low_bit_case, same_bits
+
+    x, values, scales, b = low_bit_case((rows,), outputs, columns, bits, group, dtype, bias, raw,
+                                        torch.Generator().manual_seed(seed))
+    assert same_bits(low_bit_linear(x, values, scales, bits, columns, b),
+                     contract(x, values, scales, bits, columns, b))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_the_low_bit_matmul_is_the_linear_layer_of_the_dequantized_weight(bits):
+    """Within float32 rounding of a float64 product: the reference computes y = x W^T + b."""
+    gen = torch.Generator().manual_seed(1)
+    values, scales = quantize(torch.randn(70, 333, generator=gen), bits, 128)
+    x, bias = torch.randn(2, 5, 333, generator=gen), torch.randn(70, generator=gen)
+    weight = dequantize(values, scales, bits, 333, torch.float64)
+    want = nn.functional.linear(x.double(), weight, bias.double())
+    got = low_bit_linear(x, values, scales, bits, 333, bias)
+    assert got.shape == (2, 5, 70) and got.dtype == torch.float32
+    assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-4)
+
+
+def test_a_linear_layer_gets_the_low_bit_forward_and_other_modules_keep_theirs():
+    class OwnForward(nn.Linear):
+        def forward(self, x):
+            return super().forward(x) * 2
+
+    plain, own, conv = nn.Linear(64, 8), OwnForward(64, 8), nn.Conv1d(4, 8, 3)
+    for module in (plain, own, conv):
+        quantize_parameter(module.requires_grad_(False), "weight", 4, 64)
+    assert plain.forward.__func__ is low_bit_forward
+    assert "forward" not in own.__dict__ and "forward" not in conv.__dict__
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_the_low_bit_forward_takes_its_matmul_where_it_runs_and_the_dequantized_weight_elsewhere(
+        bits, monkeypatch):
+    """On the CPU the layer dequantizes and calls its own matmul; where `runs_low_bit_linear` holds (CUDA,
+    forced here), it returns `low_bit_linear_for_device` of its stored integers, scales and bias."""
+    linear = nn.Linear(200, 24).requires_grad_(False)
+    weight, bias = linear.weight.clone(), linear.bias
+    quantize_parameter(linear, "weight", bits, 64)
+    values, scales = quantize(weight, bits, 64)
+    x = torch.randn(3, 200, generator=torch.Generator().manual_seed(2))
+    assert not runs_low_bit_linear(x, torch.float32)
+    with torch.no_grad():
+        assert torch.equal(linear(x), nn.functional.linear(x, dequantize(values, scales, bits, 200,
+                                                                          torch.float32), bias))
+        monkeypatch.setattr(quantize_module, "runs_low_bit_linear", lambda x, dtype: True)
+        monkeypatch.setattr(quantize_module, "low_bit_linear_for_device", low_bit_linear)
+        assert torch.equal(linear(x), low_bit_linear(x, values, scales, bits, 200, bias))
+
+
+def test_only_a_few_cuda_rows_in_the_weights_dtype_run_the_low_bit_matmul():
+    meta = torch.empty(MAX_ROWS, 64, device="meta")
+    assert not runs_low_bit_linear(meta, torch.float32)  # not CUDA
+    if torch.cuda.is_available():
+        x = torch.zeros(MAX_ROWS, 64, device="cuda")
+        assert runs_low_bit_linear(x, torch.float32) and runs_low_bit_linear(x[:1], torch.float32)
+        assert not runs_low_bit_linear(torch.zeros(MAX_ROWS + 1, 64, device="cuda"), torch.float32)
+        assert not runs_low_bit_linear(x, torch.bfloat16)
+
+
+def test_the_low_bit_matmul_run_by_tritons_interpreter_matches_the_reference():
+    """The low-bit matmul's Triton code run by Triton's interpreter on the CPU (a fresh Python with
+    TRITON_INTERPRET=1) against `low_bit_linear`, bit for bit, over hypothesis-drawn rows, outputs,
+    columns, bits, groups, dtypes and stored bytes."""
+    pytest.importorskip("triton")
+    run = run_interpreted(Path(__file__).parent, "import interpreted_matmul_kernel as m; "
+                          "m.check_random_cases()")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]

@@ -9,17 +9,25 @@ stored as int8; int4 values as q + 8 in [1, 15], two per byte (the even column i
 A module's forward dequantizes (q * scale in float32, cast to the weight's dtype) and then runs its own
 matmul (`QuantizedWeight`, a torch parametrization). `dequantize` here is the reference and the CPU
 path; on CUDA the same arithmetic runs as one Triton kernel (`dequant_kernel.py`), bit for bit.
+
+A `torch.nn.Linear` of the draft runs on a few tokens at a time, where reading its weight is the whole
+cost: on CUDA, for at most `MAX_ROWS` rows, its forward is `low_bit_linear`, a matmul that reads the
+integers itself (`matmul_kernel.py`, bit for bit the torch reference here) instead of dequantizing into
+a weight that cuBLAS reads again (`low_bit_forward`).
 """
 
 from __future__ import annotations
 
 import math
+import types
 
 import torch
 from torch import nn
 
 BITS = (4, 8)
 LEAST_GROUP = 64
+LANES = 128  # low_bit_linear's accumulator lanes per output (its order of additions)
+MAX_ROWS = 16  # the most rows (tokens) a CUDA low-bit linear runs through its own matmul
 
 
 def qmax(bits: int) -> int:
@@ -89,6 +97,63 @@ def dequantize_for_device(values: torch.Tensor, scales: torch.Tensor, bits: int,
     return dequant_kernel.dequantize(values, scales, bits, columns, dtype)
 
 
+def low_bit_linear(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, bits: int, columns: int,
+                   bias: torch.Tensor | None) -> torch.Tensor:
+    """x (..., columns) times the transpose of the (outputs, columns) weight that `quantize` stored as
+    (values, scales), plus `bias`, in x's dtype, with this arithmetic (the contract `matmul_kernel.py`
+    meets bit for bit): w = q * scale and x in float32; the columns padded with zeros to whole groups
+    and then to a multiple of `LANES`; each product rounded once and added to lane k mod `LANES` of its
+    output in increasing k (from +0.0); the lanes summed in pairs, (0+1, 2+3, ...), until one is left;
+    plus the bias in float32; cast to x's dtype. The reference: memory (rows x outputs x LANES)."""
+    q = unpack_int4(values) if bits == 4 else values
+    stored = q.shape[-1]
+    w = (q.reshape(*scales.shape[:-1], -1).float() * scales).reshape(q.shape)
+    total = padded(stored, LANES)
+    w = torch.nn.functional.pad(w, (0, total - stored)).reshape(q.shape[0], -1, LANES)
+    xs = torch.nn.functional.pad(x.reshape(-1, columns).float(), (0, total - columns))
+    xs = xs.reshape(xs.shape[0], -1, LANES)
+    acc = torch.zeros(xs.shape[0], w.shape[0], LANES, dtype=torch.float32, device=x.device)
+    for step in range(w.shape[1]):
+        acc = acc + w[None, :, step] * xs[:, None, step]
+    while acc.shape[-1] > 1:
+        acc = acc[..., 0::2] + acc[..., 1::2]
+    y = acc[..., 0]
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).reshape(*x.shape[:-1], q.shape[0])
+
+
+def low_bit_linear_for_device(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, bits: int,
+                              columns: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """`low_bit_linear`, bit for bit, as one Triton kernel (`matmul_kernel.py`; under torch.compile the
+    op `weightstream::low_bit_linear`). For CUDA tensors of at most `MAX_ROWS` rows only: callers go by
+    `runs_low_bit_linear`."""
+    from . import matmul_kernel  # needs Triton, which the CPU build of torch lacks
+
+    if torch.compiler.is_compiling():
+        return torch.ops.weightstream.low_bit_linear(x, values, scales, bits, columns, bias)
+    return matmul_kernel.low_bit_linear(x, values, scales, bits, columns, bias)
+
+
+def runs_low_bit_linear(x: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether a low-bit linear layer of weight dtype `dtype` runs `x` through its own matmul: on CUDA,
+    x in that dtype, at most `MAX_ROWS` rows (a draft step's tokens); elsewhere it dequantizes and
+    calls the layer's own matmul."""
+    return x.is_cuda and x.dtype == dtype and x.dim() >= 1 and x.numel() <= MAX_ROWS * x.shape[-1]
+
+
+def low_bit_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """The forward of a draft's `nn.Linear` whose weight is a `QuantizedWeight` (set on the instance by
+    `quantize_parameter`): `low_bit_linear_for_device` where `runs_low_bit_linear`, else the Linear's
+    own forward over the dequantized weight."""
+    stored = self.parametrizations["weight"]
+    how = stored[0]
+    if runs_low_bit_linear(x, how.dtype):
+        return low_bit_linear_for_device(x, stored.original0, stored.original1, how.bits, how.columns,
+                                         self.bias)
+    return nn.functional.linear(x, self.weight, self.bias)
+
+
 class QuantizedWeight(nn.Module):
     """A parametrization (`torch.nn.utils.parametrize`): the module stores (values, scales) and reads
     its weight dequantized on each access (`dequantize_for_device`), so the module's own forward runs on the
@@ -107,11 +172,14 @@ class QuantizedWeight(nn.Module):
 
 def quantize_parameter(module: nn.Module, name: str, bits: int, group: int) -> int:
     """Replace `module.<name>` (a weight of two or more dimensions, already where the draft runs) by its
-    quantized copy read through `QuantizedWeight`; return the bytes now stored."""
+    quantized copy read through `QuantizedWeight`; return the bytes now stored. The weight of a module
+    whose forward is `nn.Linear`'s own: its forward becomes `low_bit_forward` (module docstring)."""
     from torch.nn.utils import parametrize
 
     weight = getattr(module, name)
     parametrize.register_parametrization(
         module, name, QuantizedWeight(bits, group, weight.shape[-1], weight.dtype), unsafe=True)
+    if name == "weight" and isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward:
+        module.forward = types.MethodType(low_bit_forward, module)
     stored = module.parametrizations[name]
     return sum(t.numel() * t.element_size() for t in (stored.original0, stored.original1))
