@@ -53,6 +53,7 @@ def low_bit_case(lead: tuple[int, ...], outputs: int, columns: int, bits: int, g
         scales = (magnitude * sign).float()
     else:
         values, scales = quantize(torch.randn(outputs, columns, generator=gen) * 0.05, bits, group)
-    x = (torch.randn(*lead, columns, generator=gen) * 10.0 ** torch.randint(-3, 4, (), generator=gen)).to(dtype)
+    spread = 10.0 ** torch.randint(-3, 4, (), generator=gen)
+    x = (torch.randn(*lead, columns, generator=gen) * spread).to(dtype)
     b = torch.randn(outputs, generator=gen).to(dtype) if bias else None
     return x, values, scales, b

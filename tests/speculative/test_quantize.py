@@ -136,8 +136,8 @@ def contract(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, bits: 
        bits=st.sampled_from([4, 8]), group=st.sampled_from([64, 96, 128]),
        dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]), bias=st.booleans(),
        raw=st.booleans(), seed=st.integers(0, 2**31 - 1))
-def test_the_low_bit_matmul_reference_adds_in_the_order_its_contract_states(rows, outputs, columns, bits, group,
-                                                                            dtype, bias, raw, seed):
+def test_the_low_bit_matmul_reference_adds_in_the_order_its_contract_states(rows, outputs, columns, bits,
+                                                                            group, dtype, bias, raw, seed):
     """The vectorized reference against the contract computed one scalar at a time (the order of the
     additions decides the last bits, and the GPU kernel is held to this order)."""
     from low_bit_cases import low_bit_case, same_bits

@@ -12,9 +12,10 @@ the output's accumulator in increasing k, the lanes then summed in pairs (0+1, 2
 left, the bias added in float32, the result cast to the dtype with round-to-nearest-even (bfloat16 by
 hand, as `dequant_kernel.py` does, so Triton's interpreter checks the GPU's rounding on the CPU).
 
-Program p computes outputs [p * BN, (p + 1) * BN) of every row; BN shrinks with the rows so a program's
-accumulator stays in registers, and with the outputs so a GPU gets enough programs to keep its memory
-busy; neither changes a bit of the result. Eagerly launched straight from Python; under torch.compile
+Program p computes outputs [p * BN, (p + 1) * BN) of every row, `UNROLL` steps of `LANES` columns a
+loop iteration (their loads issued together); BN shrinks with the rows so a program's accumulator stays
+in registers, and with the outputs so a GPU gets enough programs to keep its memory busy; none of these
+changes a bit of the result. Eagerly launched straight from Python; under torch.compile
 the op `weightstream::low_bit_linear` (a `torch.library.triton_op`), which Inductor launches and a CUDA
 graph captures, with no graph break. Imported lazily: the CPU build of torch has no Triton.
 """
@@ -31,6 +32,8 @@ from .quantize import LANES, MAX_ROWS
 
 _LOG_LANES = LANES.bit_length() - 1
 PROGRAMS = 1024  # programs a launch aims for (fewer outputs per program until it has them)
+UNROLL = 4  # steps of LANES columns a loop iteration loads together
+WARPS = 4
 
 
 @triton.jit
@@ -44,35 +47,37 @@ def _pair_sum(a):
 def _low_bit_linear(out, x, values, scales, bias, rows, outputs, columns, stored, value_row, groups,
                     GROUP: tl.constexpr, BITS: tl.constexpr, HAS_BIAS: tl.constexpr, BF16_BITS: tl.constexpr,
                     EXACT_MUL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, L: tl.constexpr,
-                    LOG_L: tl.constexpr):
+                    LOG_L: tl.constexpr, UNROLL: tl.constexpr):
     n = tl.program_id(0) * BN + tl.arange(0, BN)
     n_in = n < outputs
     m = tl.arange(0, BM)
     m_in = m < rows
     acc = tl.zeros((BM, BN, L), dtype=tl.float32)
-    for k0 in range(0, stored, L):
-        k = k0 + tl.arange(0, L)
-        k_in = k < stored
-        xk = tl.load(x + m[:, None] * columns + k[None, :], mask=m_in[:, None] & (k < columns)[None, :],
-                     other=0.0).to(tl.float32)
-        if BITS == 4:  # the row's bytes read once, contiguously; low nibble the even column
-            h = k0 // 2 + tl.arange(0, L // 2)
-            byte = tl.load(values + n[:, None].to(tl.int64) * value_row + h[None, :],
-                           mask=n_in[:, None] & (h * 2 < stored)[None, :], other=0x88).to(tl.int32)
-            q = tl.interleave((byte & 15) - 8, (byte >> 4) - 8)
-        else:
-            q = tl.load(values + n[:, None].to(tl.int64) * value_row + k[None, :],
-                        mask=n_in[:, None] & k_in[None, :], other=0).to(tl.int32)
-        s = tl.load(scales + n[:, None].to(tl.int64) * groups + (k // GROUP)[None, :],
-                    mask=n_in[:, None] & k_in[None, :], other=0.0)
-        w = q.to(tl.float32) * s
-        wb, xb = tl.broadcast(w[None, :, :], xk[:, None, :])
-        if EXACT_MUL:  # rounded on its own: never fused with the add below
-            p = tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [wb, xb], dtype=tl.float32,
-                                          is_pure=True, pack=1)
-        else:  # Triton's interpreter (numpy) rounds every multiply
-            p = wb * xb
-        acc = acc + p
+    for k_step in range(0, stored, L * UNROLL):
+        for u in tl.static_range(UNROLL):  # unrolled: the loads of every sub-step issued together
+            k0 = k_step + u * L
+            k = k0 + tl.arange(0, L)
+            k_in = k < stored
+            xk = tl.load(x + m[:, None] * columns + k[None, :], mask=m_in[:, None] & (k < columns)[None, :],
+                         other=0.0).to(tl.float32)
+            if BITS == 4:  # the row's bytes read once, contiguously; low nibble the even column
+                h = k0 // 2 + tl.arange(0, L // 2)
+                byte = tl.load(values + n[:, None].to(tl.int64) * value_row + h[None, :],
+                               mask=n_in[:, None] & (h * 2 < stored)[None, :], other=0x88).to(tl.int32)
+                q = tl.interleave((byte & 15) - 8, (byte >> 4) - 8)
+            else:
+                q = tl.load(values + n[:, None].to(tl.int64) * value_row + k[None, :],
+                            mask=n_in[:, None] & k_in[None, :], other=0).to(tl.int32)
+            s = tl.load(scales + n[:, None].to(tl.int64) * groups + (k // GROUP)[None, :],
+                        mask=n_in[:, None] & k_in[None, :], other=0.0)
+            w = q.to(tl.float32) * s
+            wb, xb = tl.broadcast(w[None, :, :], xk[:, None, :])
+            if EXACT_MUL:  # rounded on its own: never fused with the add below
+                p = tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=r,r,r", [wb, xb],
+                                              dtype=tl.float32, is_pure=True, pack=1)
+            else:  # Triton's interpreter (numpy) rounds every multiply
+                p = wb * xb
+            acc = acc + p
     for _ in tl.static_range(LOG_L):
         acc = _pair_sum(acc)
     y = tl.reshape(acc, (BM, BN))
@@ -116,7 +121,7 @@ def _launch(kernel, out: torch.Tensor, x: torch.Tensor, values: torch.Tensor, sc
         out.view(torch.int16) if bf16 else out, x, values, scales, bias if bias is not None else scales,
         rows, outputs, columns, stored, value_row, groups, GROUP=stored // groups, BITS=bits,
         HAS_BIAS=bias is not None, BF16_BITS=bf16, EXACT_MUL=exact_mul, BM=bm, BN=bn, L=LANES,
-        LOG_L=_LOG_LANES, num_warps=4)
+        LOG_L=_LOG_LANES, UNROLL=UNROLL, num_warps=WARPS)
 
 
 def low_bit_linear(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, bits: int, columns: int,
