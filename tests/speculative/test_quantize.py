@@ -183,23 +183,24 @@ def test_the_low_bit_forward_takes_its_matmul_where_it_runs_and_the_dequantized_
     quantize_parameter(linear, "weight", bits, 64)
     values, scales = quantize(weight, bits, 64)
     x = torch.randn(3, 200, generator=torch.Generator().manual_seed(2))
-    assert not runs_low_bit_linear(x, torch.float32)
+    assert not runs_low_bit_linear(x, torch.float32, 64)
     with torch.no_grad():
         assert torch.equal(linear(x), nn.functional.linear(x, dequantize(values, scales, bits, 200,
                                                                           torch.float32), bias))
-        monkeypatch.setattr(quantize_module, "runs_low_bit_linear", lambda x, dtype: True)
+        monkeypatch.setattr(quantize_module, "runs_low_bit_linear", lambda x, dtype, group: True)
         monkeypatch.setattr(quantize_module, "low_bit_linear_for_device", low_bit_linear)
         assert torch.equal(linear(x), low_bit_linear(x, values, scales, bits, 200, bias))
 
 
-def test_only_a_few_cuda_rows_in_the_weights_dtype_run_the_low_bit_matmul():
+def test_only_a_few_cuda_rows_in_the_weights_dtype_and_word_groups_run_the_low_bit_matmul():
     meta = torch.empty(MAX_ROWS, 64, device="meta")
-    assert not runs_low_bit_linear(meta, torch.float32)  # not CUDA
+    assert not runs_low_bit_linear(meta, torch.float32, 128)  # not CUDA
     if torch.cuda.is_available():
         x = torch.zeros(MAX_ROWS, 64, device="cuda")
-        assert runs_low_bit_linear(x, torch.float32) and runs_low_bit_linear(x[:1], torch.float32)
-        assert not runs_low_bit_linear(torch.zeros(MAX_ROWS + 1, 64, device="cuda"), torch.float32)
-        assert not runs_low_bit_linear(x, torch.bfloat16)
+        assert runs_low_bit_linear(x, torch.float32, 128) and runs_low_bit_linear(x[:1], torch.float32, 64)
+        assert not runs_low_bit_linear(torch.zeros(MAX_ROWS + 1, 64, device="cuda"), torch.float32, 128)
+        assert not runs_low_bit_linear(x, torch.bfloat16, 128)
+        assert not runs_low_bit_linear(x, torch.float32, 66)  # a word would straddle two groups
 
 
 def test_the_low_bit_matmul_run_by_tritons_interpreter_matches_the_reference():

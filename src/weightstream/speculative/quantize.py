@@ -27,7 +27,8 @@ from torch import nn
 BITS = (4, 8)
 LEAST_GROUP = 64
 LANES = 128  # low_bit_linear's accumulator lanes per output (its order of additions)
-MAX_ROWS = 16  # the most rows (tokens) a CUDA low-bit linear runs through its own matmul
+MAX_ROWS = 8  # the most rows (tokens) a CUDA low-bit linear runs through its own matmul
+WORD_GROUP = 8  # its groups are multiples of this many columns (a 32-bit word of int4)
 
 
 def qmax(bits: int) -> int:
@@ -135,11 +136,12 @@ def low_bit_linear_for_device(x: torch.Tensor, values: torch.Tensor, scales: tor
     return matmul_kernel.low_bit_linear(x, values, scales, bits, columns, bias)
 
 
-def runs_low_bit_linear(x: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Whether a low-bit linear layer of weight dtype `dtype` runs `x` through its own matmul: on CUDA,
-    x in that dtype, at most `MAX_ROWS` rows (a draft step's tokens); elsewhere it dequantizes and
-    calls the layer's own matmul."""
-    return x.is_cuda and x.dtype == dtype and x.dim() >= 1 and x.numel() <= MAX_ROWS * x.shape[-1]
+def runs_low_bit_linear(x: torch.Tensor, dtype: torch.dtype, group: int) -> bool:
+    """Whether a low-bit linear layer of weight dtype `dtype` in groups of `group` columns runs `x`
+    through its own matmul: on CUDA, x in that dtype, at most `MAX_ROWS` rows (a draft step's tokens),
+    groups of whole 32-bit words; otherwise it dequantizes and calls the layer's own matmul."""
+    return (x.is_cuda and x.dtype == dtype and x.dim() >= 1 and x.numel() <= MAX_ROWS * x.shape[-1]
+            and group % WORD_GROUP == 0)
 
 
 def low_bit_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -148,7 +150,7 @@ def low_bit_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     own forward over the dequantized weight."""
     stored = self.parametrizations["weight"]
     how = stored[0]
-    if runs_low_bit_linear(x, how.dtype):
+    if runs_low_bit_linear(x, how.dtype, how.group):
         return low_bit_linear_for_device(x, stored.original0, stored.original1, how.bits, how.columns,
                                          self.bias)
     return nn.functional.linear(x, self.weight, self.bias)
