@@ -56,7 +56,7 @@ def cuda(*tensors):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("rows", [1, 4, MAX_ROWS])
+@pytest.mark.parametrize("rows", [1, 4, 8])
 @pytest.mark.parametrize("shape", [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336)])
 def test_the_kernel_equals_the_reference_on_the_gpu_bit_for_bit_at_model_sizes(shape, rows, bits, dtype):
     outputs, columns = shape
@@ -67,14 +67,15 @@ def test_the_kernel_equals_the_reference_on_the_gpu_bit_for_bit_at_model_sizes(s
 
 
 @settings(max_examples=60, deadline=None)
-@given(lead=st.sampled_from([(1,), (2,), (3,), (MAX_ROWS,), (2, 3), (1, 1, 3)]),
+@given(lead=st.sampled_from([(1,), (2,), (3,), (8,), (2, 3), (1, 1, 3)]),
        outputs=st.integers(1, 1500), columns=st.integers(1, 1500), bits=st.sampled_from([4, 8]),
        group=st.sampled_from([64, 96, 128, 256]), dtype=st.sampled_from(DTYPES), bias=st.booleans(),
        raw=st.booleans(), seed=st.integers(0, 2**31 - 1))
 def test_any_case_multiplies_on_the_gpu_as_the_reference_does(lead, outputs, columns, bits, group, dtype,
                                                                bias, raw, seed):
     """Any scales from subnormal to 1e12 (`raw`), columns no group or lane count divides, one row to
-    MAX_ROWS: the GPU kernel, the reference on the GPU and the reference on the CPU agree bit for bit."""
+    eight (the kernel takes more than `MAX_ROWS`, which only chooses where it is used): the GPU kernel,
+    the reference on the GPU and the reference on the CPU agree bit for bit."""
     case = low_bit_case(lead, outputs, columns, bits, group, dtype, bias, raw,
                         torch.Generator().manual_seed(seed))
     got = kernel(*cuda(*case[:3]), bits, columns, cuda(case[3])[0])
@@ -103,7 +104,7 @@ def test_a_linear_layer_on_the_gpu_runs_its_few_rows_through_the_kernel(bits, ke
     quantize_parameter(linear, "weight", bits, 128)
     assert linear.forward.__func__ is low_bit_forward
     values, scales = quantize(weight, bits, 128)
-    x = torch.randn(7, 1000, device="cuda").to(torch.bfloat16)
+    x = torch.randn(MAX_ROWS, 1000, device="cuda").to(torch.bfloat16)
     with torch.no_grad():
         assert same_bits(linear(x), low_bit_linear(x, values, scales, bits, 1000, bias))
         assert kernel_calls[0] == 1

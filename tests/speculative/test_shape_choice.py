@@ -18,6 +18,7 @@ import weightstream as ws
 from weightstream.errors import ArgumentError
 from weightstream.speculative import DraftModel, SelfDraft
 from weightstream.speculative.checks import max_depth
+from weightstream.speculative.quantize import MAX_ROWS
 from weightstream.speculative.shape_choice import (
     DEPTHS,
     MAX_TREE_TOKENS,
@@ -29,6 +30,7 @@ from weightstream.speculative.shape_choice import (
 )
 from weightstream.speculative.shape_costs import (
     SELF_DRAFT_RATIO,
+    SELF_DRAFT_RATIO_LOW_BIT,
     _forward_ms,
     auto_shape,
     drafted_share,
@@ -170,11 +172,12 @@ def test_a_draft_predicted_slower_than_plain_decoding_warns_and_a_cheap_one_does
     assert stats.predicted_tokens_per_second > stats.predicted_plain_tokens_per_second
 
 
-def test_a_self_draft_step_costs_its_drafted_blocks_more_than_resident_ones():
-    """Measured on an H100, a drafted (dequantize-then-matmul) block costs SELF_DRAFT_RATIO times its
-    resident time: the predicted self-draft step is the resident forward scaled by the share of block
-    bytes drafted, the blocks `SelfDraft.block_names` gives (off the GPU; every block of a resident
-    model; the ones it names)."""
+def test_a_self_draft_step_costs_its_drafted_blocks_as_measured_per_token_count():
+    """Measured on an H100, a drafted block costs SELF_DRAFT_RATIO times its resident time where its
+    layers dequantize for cuBLAS (more than MAX_ROWS tokens) and SELF_DRAFT_RATIO_LOW_BIT where they run
+    the low-bit matmul: the predicted self-draft step is the resident forward scaled by the share of
+    block bytes drafted, the blocks `SelfDraft.block_names` gives (off the GPU; every block of a
+    resident model; the ones it names)."""
     model = offloaded(make_model("llama"))
     draft = SelfDraft(bits=4, group=64)
     share = drafted_share(model, draft)
@@ -182,10 +185,13 @@ def test_a_self_draft_step_costs_its_drafted_blocks_more_than_resident_ones():
     auto = auto_shape(model, draft, "auto", "auto", None, False)
     resident_ms = _forward_ms(model, False, resident=True)
     for w in (1, 4):
-        want = resident_ms(w) * (1 - share + share * SELF_DRAFT_RATIO)
+        ratio = SELF_DRAFT_RATIO_LOW_BIT if w <= MAX_ROWS else SELF_DRAFT_RATIO
+        want = resident_ms(w) * (1 - share + share * ratio)
         assert auto.draft_step_ms(w) == pytest.approx(want, rel=1e-9)
         assert auto.draft_step_ms(w) > resident_ms(w)
-    assert self_draft_scale(0.0) == 1.0 and self_draft_scale(1.0) == SELF_DRAFT_RATIO
+    assert self_draft_scale(0.0, 1) == 1.0 and self_draft_scale(0.0, 4) == 1.0
+    assert self_draft_scale(1.0, MAX_ROWS) == SELF_DRAFT_RATIO_LOW_BIT
+    assert self_draft_scale(1.0, MAX_ROWS + 1) == SELF_DRAFT_RATIO > SELF_DRAFT_RATIO_LOW_BIT
     resident = make_model("llama")
     assert drafted_share(resident, draft) == 1.0  # a resident model's self-draft drafts every block
     one = draft.block_names(model)[:1]

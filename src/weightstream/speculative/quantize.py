@@ -27,7 +27,10 @@ from torch import nn
 BITS = (4, 8)
 LEAST_GROUP = 64
 LANES = 128  # low_bit_linear's accumulator lanes per output (its order of additions)
-MAX_ROWS = 8  # the most rows (tokens) a CUDA low-bit linear runs through its own matmul
+# the most rows (tokens) a CUDA low-bit linear runs through its own matmul: measured on an H100
+# (benchmarks/results/2026-12-07_h100_low-bit-matmul), it beats dequantizing into a weight for cuBLAS
+# on the large layers at one row and loses at four (its products run on the CUDA cores)
+MAX_ROWS = 1
 WORD_GROUP = 8  # its groups are multiples of this many columns (a 32-bit word of int4)
 
 

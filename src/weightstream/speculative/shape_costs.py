@@ -13,7 +13,10 @@ measured on an H100 from CUDA graphs, the Llama-3-8B shape at 25% (31 of its 32 
 drafted in int4, groups of 128: 3.59 GB of copies) took 19.93 ms a one-token draft step
 (benchmarks/results/2026-12-07_h100_speculative-graph-step) against 6.69 ms for the resident model's
 compiled decode step replayed from a CUDA graph (benchmarks/results/2026-12-07_h100_written-tensors-ab):
-3.04x the resident time for the drafted blocks' part.
+3.04x the resident time for the drafted blocks' part. A step of at most `quantize.MAX_ROWS` tokens
+runs its linear layers through the low-bit matmul instead (`matmul_kernel.py`): 10.60 ms on the same
+shape from a captured graph (benchmarks/results/2026-12-07_h100_low-bit-matmul), 1.60x
+(`SELF_DRAFT_RATIO_LOW_BIT`).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from ..placement.prepare import prepare
 from ..placement.probe import load_profile
 from .checks import check_tree_argument
 from .draft_model import DraftModel
+from .quantize import MAX_ROWS
 from .self_draft import SelfDraft
 from .shape_choice import (
     DEPTHS,
@@ -46,6 +50,8 @@ from .shape_choice import (
 # a drafted block's step time over its resident time: (19.93 / 6.69 - 1 / 32) / (31 / 32), int4 g128, one
 # token, from CUDA graphs on an H100 (module docstring); int8 copies are taken to cost the same
 SELF_DRAFT_RATIO = 3.04
+# the same for a step through the low-bit matmul: (10.60 / 6.69 - 1 / 32) / (31 / 32), one token
+SELF_DRAFT_RATIO_LOW_BIT = 1.60
 
 
 def drafted_share(model: nn.Module, drafter: SelfDraft) -> float:
@@ -97,9 +103,11 @@ def _dimension(name: str, value) -> tuple[int, ...] | None:
     return None
 
 
-def self_draft_scale(share: float) -> float:
-    """A self-draft step's time over the resident forward's when `share` of the block bytes is drafted."""
-    return 1.0 - share + share * SELF_DRAFT_RATIO
+def self_draft_scale(share: float, tokens: int) -> float:
+    """A self-draft step's time over the resident forward's when `share` of the block bytes is drafted
+    and the step runs `tokens` tokens (at most `quantize.MAX_ROWS`: through the low-bit matmul)."""
+    ratio = SELF_DRAFT_RATIO_LOW_BIT if tokens <= MAX_ROWS else SELF_DRAFT_RATIO
+    return 1.0 - share + share * ratio
 
 
 @dataclass(frozen=True)
@@ -151,10 +159,10 @@ def auto_shape(model: nn.Module, drafter, width, depth, max_depth: int | None,
     verify_ms = _forward_ms(model, replay)
     if isinstance(drafter, SelfDraft):
         resident_ms = _forward_ms(model, replay, resident=True)
-        scale = self_draft_scale(drafted_share(model, drafter))
+        share = drafted_share(model, drafter)
 
         def draft_step_ms(w: int) -> float:
-            return resident_ms(w) * scale
+            return resident_ms(w) * self_draft_scale(share, w)
     elif isinstance(drafter, DraftModel):
         draft_step_ms = _forward_ms(drafter.model, replay)
     else:
