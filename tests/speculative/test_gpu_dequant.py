@@ -16,6 +16,7 @@ from test_gpu_speculative import offloaded, run
 from torch import nn
 
 import weightstream as ws
+from weightstream.speculative import draft_linear
 from weightstream.speculative import quantize as quantize_module
 from weightstream.speculative.quantize import dequantize, quantize, quantize_parameter
 
@@ -115,7 +116,7 @@ def test_a_self_draft_gives_the_tokens_it_gives_with_the_reference(bits, do_samp
     drafted tokens accepted per pass (which only the draft's proposals decide) with the kernel as with
     `dequantize`, and the kernel ran (the low-bit matmul turned off: its own tests are
     test_gpu_matmul.py)."""
-    monkeypatch.setattr(quantize_module, "runs_low_bit_linear", lambda x, dtype, group: False)
+    monkeypatch.setattr(draft_linear, "runs_low_bit_linear", lambda x, dtype, group: False)
     ref = make_model("llama", dtype=torch.bfloat16).cuda()
     for model in (ref, offloaded(make_model("llama", dtype=torch.bfloat16).cuda())):
         kernel_calls[0] = 0
@@ -131,7 +132,7 @@ def test_a_self_draft_gives_the_tokens_it_gives_with_the_reference(bits, do_samp
 @pytest.mark.parametrize("mode", [True, "reduce-overhead"])
 def test_a_compiled_self_draft_gives_the_tokens_it_gives_with_the_reference(mode, monkeypatch,
                                                                            eager_rounding):  # noqa: F811
-    monkeypatch.setattr(quantize_module, "runs_low_bit_linear", lambda x, dtype, group: False)
+    monkeypatch.setattr(draft_linear, "runs_low_bit_linear", lambda x, dtype, group: False)
     model = offloaded(make_model("llama", dtype=torch.bfloat16).cuda())
     torch._dynamo.utils.counters.clear()
     a = run(model, draft="self", compile=mode, do_sample=True)

@@ -16,14 +16,9 @@ from test_gpu_speculative import offloaded, run
 from torch import nn
 
 import weightstream as ws
-from weightstream.speculative import quantize as quantize_module
-from weightstream.speculative.quantize import (
-    MAX_ROWS,
-    low_bit_forward,
-    low_bit_linear,
-    quantize,
-    quantize_parameter,
-)
+from weightstream.speculative import draft_linear
+from weightstream.speculative.draft_linear import MAX_ROWS, low_bit_forward, use_low_bit_forward
+from weightstream.speculative.quantize import low_bit_linear, quantize, quantize_parameter
 
 pytestmark = pytest.mark.gpu
 
@@ -102,7 +97,7 @@ def test_a_linear_layer_on_the_gpu_runs_its_few_rows_through_the_kernel(bits, ke
     linear = nn.Linear(1000, 96).to(torch.bfloat16).cuda().requires_grad_(False)
     weight, bias = linear.weight.clone(), linear.bias
     quantize_parameter(linear, "weight", bits, 128)
-    assert linear.forward.__func__ is low_bit_forward
+    assert use_low_bit_forward(linear) and linear.forward.__func__ is low_bit_forward
     values, scales = quantize(weight, bits, 128)
     x = torch.randn(MAX_ROWS, 1000, device="cuda").to(torch.bfloat16)
     with torch.no_grad():
@@ -119,8 +114,9 @@ def test_the_kernel_compiles_in_one_graph_and_equals_the_reference(mode):
     linear = nn.Linear(1000, 96).to(torch.bfloat16).cuda().requires_grad_(False)
     weight, bias = linear.weight.clone(), linear.bias
     quantize_parameter(linear, "weight", 4, 128)
+    use_low_bit_forward(linear)
     values, scales = quantize(weight, 4, 128)
-    x = torch.randn(5, 1000, device="cuda").to(torch.bfloat16)
+    x = torch.randn(MAX_ROWS, 1000, device="cuda").to(torch.bfloat16)
     want = low_bit_linear(x, values, scales, 4, 1000, bias)
     torch._dynamo.utils.counters.clear()
     compiled = torch.compile(linear, fullgraph=True, mode=mode, dynamic=False)
@@ -143,7 +139,7 @@ def test_a_self_draft_gives_the_tokens_it_gives_with_the_reference(bits, do_samp
         a = run(model, draft=ws.SelfDraft(bits=bits), do_sample=do_sample)
         assert kernel_calls[0] > 0
         with monkeypatch.context() as patch:
-            patch.setattr(quantize_module, "low_bit_linear_for_device", low_bit_linear)
+            patch.setattr(draft_linear, "low_bit_linear_for_device", low_bit_linear)
             b = run(model, draft=ws.SelfDraft(bits=bits), do_sample=do_sample)
         assert torch.equal(a.tokens, b.tokens) and torch.equal(a.logits, b.logits)
         assert a.stats.accepted == b.stats.accepted
@@ -158,7 +154,7 @@ def test_a_compiled_self_draft_runs_the_kernel_in_one_graph_and_keeps_the_tokens
     got = run(model, draft="self", compile="reduce-overhead")
     assert not torch._dynamo.utils.counters["graph_break"]
     torch._dynamo.reset()
-    monkeypatch.setattr(quantize_module, "runs_low_bit_linear", lambda x, dtype, group: False)
+    monkeypatch.setattr(draft_linear, "runs_low_bit_linear", lambda x, dtype, group: False)
     want = run(model, draft="self", compile="reduce-overhead")
     assert torch.equal(got.tokens, want.tokens)
     torch._dynamo.reset()

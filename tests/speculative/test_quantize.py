@@ -13,19 +13,22 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from weightstream.speculative import quantize as quantize_module
+from weightstream.speculative import draft_linear
+from weightstream.speculative.draft_linear import (
+    MAX_ROWS,
+    low_bit_forward,
+    runs_low_bit_linear,
+    use_low_bit_forward,
+)
 from weightstream.speculative.quantize import (
     LANES,
-    MAX_ROWS,
     dequantize,
-    low_bit_forward,
     low_bit_linear,
     pack_int4,
     qmax,
     quantize,
     quantize_parameter,
     quantized_bytes,
-    runs_low_bit_linear,
     unpack_int4,
 )
 
@@ -169,6 +172,8 @@ def test_a_linear_layer_gets_the_low_bit_forward_and_other_modules_keep_theirs()
     plain, own, conv = nn.Linear(64, 8), OwnForward(64, 8), nn.Conv1d(4, 8, 3)
     for module in (plain, own, conv):
         quantize_parameter(module.requires_grad_(False), "weight", 4, 64)
+    assert [use_low_bit_forward(m) for m in (plain, own, conv)] == [True, False, False]
+    assert not use_low_bit_forward(nn.Linear(64, 8))  # its weight not quantized
     assert plain.forward.__func__ is low_bit_forward
     assert "forward" not in own.__dict__ and "forward" not in conv.__dict__
 
@@ -181,14 +186,15 @@ def test_the_low_bit_forward_takes_its_matmul_where_it_runs_and_the_dequantized_
     linear = nn.Linear(200, 24).requires_grad_(False)
     weight, bias = linear.weight.clone(), linear.bias
     quantize_parameter(linear, "weight", bits, 64)
+    use_low_bit_forward(linear)
     values, scales = quantize(weight, bits, 64)
     x = torch.randn(3, 200, generator=torch.Generator().manual_seed(2))
     assert not runs_low_bit_linear(x, torch.float32, 64)
     with torch.no_grad():
         assert torch.equal(linear(x), nn.functional.linear(x, dequantize(values, scales, bits, 200,
                                                                           torch.float32), bias))
-        monkeypatch.setattr(quantize_module, "runs_low_bit_linear", lambda x, dtype, group: True)
-        monkeypatch.setattr(quantize_module, "low_bit_linear_for_device", low_bit_linear)
+        monkeypatch.setattr(draft_linear, "runs_low_bit_linear", lambda x, dtype, group: True)
+        monkeypatch.setattr(draft_linear, "low_bit_linear_for_device", low_bit_linear)
         assert torch.equal(linear(x), low_bit_linear(x, values, scales, bits, 200, bias))
 
 

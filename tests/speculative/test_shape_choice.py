@@ -18,7 +18,7 @@ import weightstream as ws
 from weightstream.errors import ArgumentError
 from weightstream.speculative import DraftModel, SelfDraft
 from weightstream.speculative.checks import max_depth
-from weightstream.speculative.quantize import MAX_ROWS
+from weightstream.speculative.draft_linear import MAX_ROWS
 from weightstream.speculative.shape_choice import (
     DEPTHS,
     MAX_TREE_TOKENS,

@@ -11,15 +11,13 @@ matmul (`QuantizedWeight`, a torch parametrization). `dequantize` here is the re
 path; on CUDA the same arithmetic runs as one Triton kernel (`dequant_kernel.py`), bit for bit.
 
 A `torch.nn.Linear` of the draft runs on a few tokens at a time, where reading its weight is the whole
-cost: on CUDA, for at most `MAX_ROWS` rows, its forward is `low_bit_linear`, a matmul that reads the
-integers itself (`matmul_kernel.py`, bit for bit the torch reference here) instead of dequantizing into
-a weight that cuBLAS reads again (`low_bit_forward`).
+cost: `low_bit_linear` here is the reference of a matmul that reads the integers itself
+(`matmul_kernel.py`, bit for bit), which a drafted Linear runs where it pays (`draft_linear.py`).
 """
 
 from __future__ import annotations
 
 import math
-import types
 
 import torch
 from torch import nn
@@ -27,11 +25,6 @@ from torch import nn
 BITS = (4, 8)
 LEAST_GROUP = 64
 LANES = 128  # low_bit_linear's accumulator lanes per output (its order of additions)
-# the most rows (tokens) a CUDA low-bit linear runs through its own matmul: measured on an H100
-# (benchmarks/results/2026-12-07_h100_low-bit-matmul), it beats dequantizing into a weight for cuBLAS
-# on the large layers at one row and loses at four (its products run on the CUDA cores)
-MAX_ROWS = 1
-WORD_GROUP = 8  # its groups are multiples of this many columns (a 32-bit word of int4)
 
 
 def qmax(bits: int) -> int:
@@ -127,38 +120,6 @@ def low_bit_linear(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, 
     return y.to(x.dtype).reshape(*x.shape[:-1], q.shape[0])
 
 
-def low_bit_linear_for_device(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, bits: int,
-                              columns: int, bias: torch.Tensor | None) -> torch.Tensor:
-    """`low_bit_linear`, bit for bit, as one Triton kernel (`matmul_kernel.py`; under torch.compile the
-    op `weightstream::low_bit_linear`). For CUDA tensors of at most `MAX_ROWS` rows only: callers go by
-    `runs_low_bit_linear`."""
-    from . import matmul_kernel  # needs Triton, which the CPU build of torch lacks
-
-    if torch.compiler.is_compiling():
-        return torch.ops.weightstream.low_bit_linear(x, values, scales, bits, columns, bias)
-    return matmul_kernel.low_bit_linear(x, values, scales, bits, columns, bias)
-
-
-def runs_low_bit_linear(x: torch.Tensor, dtype: torch.dtype, group: int) -> bool:
-    """Whether a low-bit linear layer of weight dtype `dtype` in groups of `group` columns runs `x`
-    through its own matmul: on CUDA, x in that dtype, at most `MAX_ROWS` rows (a draft step's tokens),
-    groups of whole 32-bit words; otherwise it dequantizes and calls the layer's own matmul."""
-    return (x.is_cuda and x.dtype == dtype and x.dim() >= 1 and x.numel() <= MAX_ROWS * x.shape[-1]
-            and group % WORD_GROUP == 0)
-
-
-def low_bit_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """The forward of a draft's `nn.Linear` whose weight is a `QuantizedWeight` (set on the instance by
-    `quantize_parameter`): `low_bit_linear_for_device` where `runs_low_bit_linear`, else the Linear's
-    own forward over the dequantized weight."""
-    stored = self.parametrizations["weight"]
-    how = stored[0]
-    if runs_low_bit_linear(x, how.dtype, how.group):
-        return low_bit_linear_for_device(x, stored.original0, stored.original1, how.bits, how.columns,
-                                         self.bias)
-    return nn.functional.linear(x, self.weight, self.bias)
-
-
 class QuantizedWeight(nn.Module):
     """A parametrization (`torch.nn.utils.parametrize`): the module stores (values, scales) and reads
     its weight dequantized on each access (`dequantize_for_device`), so the module's own forward runs on the
@@ -177,14 +138,11 @@ class QuantizedWeight(nn.Module):
 
 def quantize_parameter(module: nn.Module, name: str, bits: int, group: int) -> int:
     """Replace `module.<name>` (a weight of two or more dimensions, already where the draft runs) by its
-    quantized copy read through `QuantizedWeight`; return the bytes now stored. The weight of a module
-    whose forward is `nn.Linear`'s own: its forward becomes `low_bit_forward` (module docstring)."""
+    quantized copy read through `QuantizedWeight`; return the bytes now stored."""
     from torch.nn.utils import parametrize
 
     weight = getattr(module, name)
     parametrize.register_parametrization(
         module, name, QuantizedWeight(bits, group, weight.shape[-1], weight.dtype), unsafe=True)
-    if name == "weight" and isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward:
-        module.forward = types.MethodType(low_bit_forward, module)
     stored = module.parametrizations[name]
     return sum(t.numel() * t.element_size() for t in (stored.original0, stored.original1))

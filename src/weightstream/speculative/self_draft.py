@@ -6,7 +6,8 @@ model to a block kept off the GPU (streamed or zero copy) is a shell: a new obje
 class sharing its attributes, submodules, parameters and buffers; each such block is replaced by a
 draft block, built the same way down to its leaves, in which every weight of two or more dimensions (a
 Linear's weight, GPT-2's Conv1D, a fused expert tensor) is a symmetric low-bit copy read through
-`QuantizedWeight` (dequantize, then the module's own matmul: `quantize.py`), and every other tensor
+`QuantizedWeight` (dequantize, then the module's own matmul: `quantize.py`; a Linear over one token on
+CUDA runs a low-bit matmul instead: `draft_linear.py`), and every other tensor
 is the model's own where it is resident and a copy on the device where it is not. Everything else
 (embeddings, resident blocks, the final norm, the head) is the model's own module, shared, not copied.
 The draft blocks have their blocks' own classes, not the streamed subclasses, so a draft forward never
@@ -32,6 +33,7 @@ from ..errors import ArgumentError
 from ..handle import handle_of
 from ..placement.blocks import find_blocks
 from .cache import TreeCache
+from .draft_linear import use_low_bit_forward
 from .draft_model import grow_beam
 from .quantize import BITS, LEAST_GROUP, quantize_parameter, quantized_bytes
 from .tree import Tree, TreeShape, causal_mask
@@ -268,6 +270,8 @@ def _draft_block(block: nn.Module, guards, device: torch.device, bits: int,
                 getattr(new, kind)[name] = value
                 if quantized:
                     stored += quantize_parameter(new, name, bits, group)
+                    if name == "weight":
+                        use_low_bit_forward(new)
         return new
 
     return clone(block), stored

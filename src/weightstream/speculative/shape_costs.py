@@ -13,7 +13,7 @@ measured on an H100 from CUDA graphs, the Llama-3-8B shape at 25% (31 of its 32 
 drafted in int4, groups of 128: 3.59 GB of copies) took 19.93 ms a one-token draft step
 (benchmarks/results/2026-12-07_h100_speculative-graph-step) against 6.69 ms for the resident model's
 compiled decode step replayed from a CUDA graph (benchmarks/results/2026-12-07_h100_written-tensors-ab):
-3.04x the resident time for the drafted blocks' part. A step of at most `quantize.MAX_ROWS` tokens
+3.04x the resident time for the drafted blocks' part. A step of at most `draft_linear.MAX_ROWS` tokens
 runs its linear layers through the low-bit matmul instead (`matmul_kernel.py`): 10.60 ms on the same
 shape from a captured graph (benchmarks/results/2026-12-07_h100_low-bit-matmul), 1.60x
 (`SELF_DRAFT_RATIO_LOW_BIT`).
@@ -34,8 +34,8 @@ from ..placement.plan import Placement
 from ..placement.prepare import prepare
 from ..placement.probe import load_profile
 from .checks import check_tree_argument
+from .draft_linear import MAX_ROWS
 from .draft_model import DraftModel
-from .quantize import MAX_ROWS
 from .self_draft import SelfDraft
 from .shape_choice import (
     DEPTHS,
@@ -105,7 +105,7 @@ def _dimension(name: str, value) -> tuple[int, ...] | None:
 
 def self_draft_scale(share: float, tokens: int) -> float:
     """A self-draft step's time over the resident forward's when `share` of the block bytes is drafted
-    and the step runs `tokens` tokens (at most `quantize.MAX_ROWS`: through the low-bit matmul)."""
+    and the step runs `tokens` tokens (at most `draft_linear.MAX_ROWS`: through the low-bit matmul)."""
     ratio = SELF_DRAFT_RATIO_LOW_BIT if tokens <= MAX_ROWS else SELF_DRAFT_RATIO
     return 1.0 - share + share * ratio
 
