@@ -1,6 +1,7 @@
-"""What the tests of the self-draft's dequantization kernel share (its interpreted run on the CPU,
-`interpreted_dequant_kernel.py`, and its GPU tests, `test_gpu_dequant.py`): the dtypes, a bitwise
-comparison, and stored low-bit weights that reach every rounding case of the cast."""
+"""What the tests of the self-draft's kernels share (their interpreted runs on the CPU,
+`interpreted_dequant_kernel.py` and `interpreted_matmul_kernel.py`, and their GPU tests,
+`test_gpu_dequant.py` and `test_gpu_matmul.py`): the dtypes, a bitwise comparison, stored low-bit
+weights that reach every rounding case of the cast, matmul cases, and a count of a kernel's calls."""
 
 from __future__ import annotations
 
@@ -57,3 +58,30 @@ def low_bit_case(lead: tuple[int, ...], outputs: int, columns: int, bits: int, g
     x = (torch.randn(*lead, columns, generator=gen) * spread).to(dtype)
     b = torch.randn(outputs, generator=gen).to(dtype) if bias else None
     return x, values, scales, b
+
+
+def count_calls(monkeypatch, module, name: str) -> list[int]:
+    """Replace `module.<name>` by a wrapper that counts its calls; the count is the list's one item."""
+    calls = [0]
+    launch = getattr(module, name)
+
+    def counted(*args):
+        calls[0] += 1
+        return launch(*args)
+
+    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
+def cuda_linear(bits: int, columns: int = 1000, outputs: int = 96):
+    """(linear, bias, values, scales): a bfloat16 `nn.Linear` on CUDA whose weight
+    `quantize.quantize_parameter` replaced (groups of 128), its bias, and its original weight's stored
+    (values, scales)."""
+    from torch import nn
+
+    from weightstream.speculative.quantize import quantize, quantize_parameter
+
+    linear = nn.Linear(columns, outputs).to(torch.bfloat16).cuda().requires_grad_(False)
+    values, scales = quantize(linear.weight.clone(), bits, 128)
+    quantize_parameter(linear, "weight", bits, 128)
+    return linear, linear.bias, values, scales

@@ -10,15 +10,15 @@ import torch
 from conftest import make_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from low_bit_cases import DTYPES, raw_stored, same_bits
+from low_bit_cases import DTYPES, count_calls, cuda_linear, raw_stored, same_bits
 from test_gpu import eager_rounding  # noqa: F401  (a fixture)
+from test_gpu_matmul import self_draft_matches_its_reference
 from test_gpu_speculative import offloaded, run
 from torch import nn
 
-import weightstream as ws
 from weightstream.speculative import draft_linear
 from weightstream.speculative import quantize as quantize_module
-from weightstream.speculative.quantize import dequantize, quantize, quantize_parameter
+from weightstream.speculative.quantize import dequantize, quantize
 
 pytestmark = pytest.mark.gpu
 
@@ -33,15 +33,7 @@ def kernel_calls(monkeypatch):
     """How many times the kernel ran (eager calls; a compiled graph launches it from its own code)."""
     from weightstream.speculative import dequant_kernel
 
-    calls = [0]
-    launch = dequant_kernel.dequantize
-
-    def counted(*args):
-        calls[0] += 1
-        return launch(*args)
-
-    monkeypatch.setattr(dequant_kernel, "dequantize", counted)
-    return calls
+    return count_calls(monkeypatch, dequant_kernel, "dequantize")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -75,10 +67,7 @@ def test_any_stored_weight_dequantizes_on_the_gpu_as_the_reference_does(lead, co
 
 @pytest.mark.parametrize("bits", [4, 8])
 def test_a_module_on_the_gpu_reads_its_weight_through_the_kernel(bits, kernel_calls):
-    linear = nn.Linear(1000, 96).to(torch.bfloat16).cuda().requires_grad_(False)
-    weight, bias = linear.weight.clone(), linear.bias
-    quantize_parameter(linear, "weight", bits, 128)
-    values, scales = quantize(weight, bits, 128)
+    linear, bias, values, scales = cuda_linear(bits)
     want = dequantize(values, scales, bits, 1000, torch.bfloat16)
     x = torch.randn(7, 1000, device="cuda").to(torch.bfloat16)
     with torch.no_grad():
@@ -89,10 +78,7 @@ def test_a_module_on_the_gpu_reads_its_weight_through_the_kernel(bits, kernel_ca
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
 def test_the_kernel_compiles_in_one_graph_and_equals_the_reference(mode):
     torch._dynamo.reset()
-    linear = nn.Linear(1000, 96).to(torch.bfloat16).cuda().requires_grad_(False)
-    weight, bias = linear.weight.clone(), linear.bias
-    quantize_parameter(linear, "weight", 4, 128)
-    values, scales = quantize(weight, 4, 128)
+    linear, bias, values, scales = cuda_linear(4)
     want = dequantize(values, scales, 4, 1000, torch.bfloat16)
     x = torch.randn(7, 1000, device="cuda").to(torch.bfloat16)
     torch._dynamo.utils.counters.clear()
@@ -117,16 +103,8 @@ def test_a_self_draft_gives_the_tokens_it_gives_with_the_reference(bits, do_samp
     `dequantize`, and the kernel ran (the low-bit matmul turned off: its own tests are
     test_gpu_matmul.py)."""
     monkeypatch.setattr(draft_linear, "runs_low_bit_linear", lambda x, dtype, group: False)
-    ref = make_model("llama", dtype=torch.bfloat16).cuda()
-    for model in (ref, offloaded(make_model("llama", dtype=torch.bfloat16).cuda())):
-        kernel_calls[0] = 0
-        a = run(model, draft=ws.SelfDraft(bits=bits), do_sample=do_sample)
-        assert kernel_calls[0] > 0
-        with monkeypatch.context() as patch:
-            patch.setattr(quantize_module, "dequantize_for_device", dequantize)
-            b = run(model, draft=ws.SelfDraft(bits=bits), do_sample=do_sample)
-        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.logits, b.logits)
-        assert a.stats.accepted == b.stats.accepted
+    self_draft_matches_its_reference(bits, do_sample, kernel_calls, monkeypatch, quantize_module,
+                                     "dequantize_for_device", dequantize)
 
 
 @pytest.mark.parametrize("mode", [True, "reduce-overhead"])

@@ -11,14 +11,14 @@ import torch
 from conftest import make_model
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from low_bit_cases import DTYPES, low_bit_case, same_bits
+from low_bit_cases import DTYPES, count_calls, cuda_linear, low_bit_case, same_bits
 from test_gpu_speculative import offloaded, run
 from torch import nn
 
 import weightstream as ws
 from weightstream.speculative import draft_linear
 from weightstream.speculative.draft_linear import MAX_ROWS, low_bit_forward, use_low_bit_forward
-from weightstream.speculative.quantize import low_bit_linear, quantize, quantize_parameter
+from weightstream.speculative.quantize import low_bit_linear
 
 pytestmark = pytest.mark.gpu
 
@@ -34,15 +34,7 @@ def kernel_calls(monkeypatch):
     """How many times the kernel ran eagerly."""
     from weightstream.speculative import matmul_kernel
 
-    calls = [0]
-    launch = matmul_kernel.low_bit_linear
-
-    def counted(*args):
-        calls[0] += 1
-        return launch(*args)
-
-    monkeypatch.setattr(matmul_kernel, "low_bit_linear", counted)
-    return calls
+    return count_calls(monkeypatch, matmul_kernel, "low_bit_linear")
 
 
 def cuda(*tensors):
@@ -94,11 +86,8 @@ def test_the_kernel_writes_no_dequantized_weight():
 
 @pytest.mark.parametrize("bits", [4, 8])
 def test_a_linear_layer_on_the_gpu_runs_its_few_rows_through_the_kernel(bits, kernel_calls):
-    linear = nn.Linear(1000, 96).to(torch.bfloat16).cuda().requires_grad_(False)
-    weight, bias = linear.weight.clone(), linear.bias
-    quantize_parameter(linear, "weight", bits, 128)
+    linear, bias, values, scales = cuda_linear(bits)
     assert use_low_bit_forward(linear) and linear.forward.__func__ is low_bit_forward
-    values, scales = quantize(weight, bits, 128)
     x = torch.randn(MAX_ROWS, 1000, device="cuda").to(torch.bfloat16)
     with torch.no_grad():
         assert same_bits(linear(x), low_bit_linear(x, values, scales, bits, 1000, bias))
@@ -111,11 +100,8 @@ def test_a_linear_layer_on_the_gpu_runs_its_few_rows_through_the_kernel(bits, ke
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
 def test_the_kernel_compiles_in_one_graph_and_equals_the_reference(mode):
     torch._dynamo.reset()
-    linear = nn.Linear(1000, 96).to(torch.bfloat16).cuda().requires_grad_(False)
-    weight, bias = linear.weight.clone(), linear.bias
-    quantize_parameter(linear, "weight", 4, 128)
+    linear, bias, values, scales = cuda_linear(4)
     use_low_bit_forward(linear)
-    values, scales = quantize(weight, 4, 128)
     x = torch.randn(MAX_ROWS, 1000, device="cuda").to(torch.bfloat16)
     want = low_bit_linear(x, values, scales, 4, 1000, bias)
     torch._dynamo.utils.counters.clear()
@@ -127,22 +113,29 @@ def test_the_kernel_compiles_in_one_graph_and_equals_the_reference(mode):
     torch._dynamo.reset()
 
 
+def self_draft_matches_its_reference(bits, do_sample, calls, monkeypatch, module, name, reference):
+    """Offloaded (the draft holds copies of the streamed blocks) and resident: a self-draft generation
+    whose kernel ran (`calls`) gives the tokens, logits and drafted tokens accepted per pass (which only
+    the draft's proposals decide) it gives with `module.<name>` replaced by its torch `reference`."""
+    ref = make_model("llama", dtype=torch.bfloat16).cuda()
+    for model in (ref, offloaded(make_model("llama", dtype=torch.bfloat16).cuda())):
+        calls[0] = 0
+        a = run(model, draft=ws.SelfDraft(bits=bits), do_sample=do_sample)
+        assert calls[0] > 0
+        with monkeypatch.context() as patch:
+            patch.setattr(module, name, reference)
+            b = run(model, draft=ws.SelfDraft(bits=bits), do_sample=do_sample)
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.logits, b.logits)
+        assert a.stats.accepted == b.stats.accepted
+
+
 @pytest.mark.parametrize("do_sample", [False, True])
 @pytest.mark.parametrize("bits", [4, 8])
 def test_a_self_draft_gives_the_tokens_it_gives_with_the_reference(bits, do_sample, kernel_calls,
                                                                    monkeypatch):
-    """Offloaded (the draft holds copies of the streamed blocks) and resident: the same tokens, logits and
-    drafted tokens accepted per pass with the kernel as with `low_bit_linear`, and the kernel ran."""
-    ref = make_model("llama", dtype=torch.bfloat16).cuda()
-    for model in (ref, offloaded(make_model("llama", dtype=torch.bfloat16).cuda())):
-        kernel_calls[0] = 0
-        a = run(model, draft=ws.SelfDraft(bits=bits), do_sample=do_sample)
-        assert kernel_calls[0] > 0
-        with monkeypatch.context() as patch:
-            patch.setattr(draft_linear, "low_bit_linear_for_device", low_bit_linear)
-            b = run(model, draft=ws.SelfDraft(bits=bits), do_sample=do_sample)
-        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.logits, b.logits)
-        assert a.stats.accepted == b.stats.accepted
+    """The root's one-token steps run the kernel; with `low_bit_linear` instead, the same generation."""
+    self_draft_matches_its_reference(bits, do_sample, kernel_calls, monkeypatch, draft_linear,
+                                     "low_bit_linear_for_device", low_bit_linear)
 
 
 def test_a_compiled_self_draft_runs_the_kernel_in_one_graph_and_keeps_the_tokens(monkeypatch):

@@ -75,6 +75,14 @@ def _byte(word, R: tl.constexpr):
 
 
 @triton.jit
+def _term(word, R: tl.constexpr, s, x_at, x_in, BITS: tl.constexpr, EXACT_MUL: tl.constexpr):
+    """Residue R's products of a step: its integers of each word times their scale `s`, times x's
+    residue R (at `x_at`)."""
+    q = _nibble(word, R) if BITS == 4 else _byte(word, R)
+    return _product(q * s, tl.load(x_at, mask=x_in, other=0.0), EXACT_MUL)
+
+
+@triton.jit
 def _low_bit_linear(out, x, words, scales, bias, rows, outputs, steps, x_residue, words_row, stored_words,
                     groups, GROUP: tl.constexpr, BITS: tl.constexpr, HAS_BIAS: tl.constexpr,
                     BF16_BITS: tl.constexpr, EXACT_MUL: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
@@ -111,28 +119,15 @@ def _low_bit_linear(out, x, words, scales, bias, rows, outputs, steps, x_residue
                 s = tl.load(scale_row + (t * L + W * i) // GROUP, mask=word_in, other=0.0)
             x_in = m_in & (t < steps)
             xt = x_at + t * P
+            a0 += _term(word, 0, s, xt, x_in, BITS, EXACT_MUL)
+            a1 += _term(word, 1, s, xt + x_residue, x_in, BITS, EXACT_MUL)
+            a2 += _term(word, 2, s, xt + 2 * x_residue, x_in, BITS, EXACT_MUL)
+            a3 += _term(word, 3, s, xt + 3 * x_residue, x_in, BITS, EXACT_MUL)
             if BITS == 4:
-                a0 += _product(_nibble(word, 0) * s, tl.load(xt, mask=x_in, other=0.0), EXACT_MUL)
-                a1 += _product(_nibble(word, 1) * s, tl.load(xt + x_residue, mask=x_in, other=0.0), EXACT_MUL)
-                a2 += _product(_nibble(word, 2) * s, tl.load(xt + 2 * x_residue, mask=x_in, other=0.0),
-                               EXACT_MUL)
-                a3 += _product(_nibble(word, 3) * s, tl.load(xt + 3 * x_residue, mask=x_in, other=0.0),
-                               EXACT_MUL)
-                a4 += _product(_nibble(word, 4) * s, tl.load(xt + 4 * x_residue, mask=x_in, other=0.0),
-                               EXACT_MUL)
-                a5 += _product(_nibble(word, 5) * s, tl.load(xt + 5 * x_residue, mask=x_in, other=0.0),
-                               EXACT_MUL)
-                a6 += _product(_nibble(word, 6) * s, tl.load(xt + 6 * x_residue, mask=x_in, other=0.0),
-                               EXACT_MUL)
-                a7 += _product(_nibble(word, 7) * s, tl.load(xt + 7 * x_residue, mask=x_in, other=0.0),
-                               EXACT_MUL)
-            else:
-                a0 += _product(_byte(word, 0) * s, tl.load(xt, mask=x_in, other=0.0), EXACT_MUL)
-                a1 += _product(_byte(word, 1) * s, tl.load(xt + x_residue, mask=x_in, other=0.0), EXACT_MUL)
-                a2 += _product(_byte(word, 2) * s, tl.load(xt + 2 * x_residue, mask=x_in, other=0.0),
-                               EXACT_MUL)
-                a3 += _product(_byte(word, 3) * s, tl.load(xt + 3 * x_residue, mask=x_in, other=0.0),
-                               EXACT_MUL)
+                a4 += _term(word, 4, s, xt + 4 * x_residue, x_in, BITS, EXACT_MUL)
+                a5 += _term(word, 5, s, xt + 5 * x_residue, x_in, BITS, EXACT_MUL)
+                a6 += _term(word, 6, s, xt + 6 * x_residue, x_in, BITS, EXACT_MUL)
+                a7 += _term(word, 7, s, xt + 7 * x_residue, x_in, BITS, EXACT_MUL)
     # the pairwise sum's first levels are between the residues' accumulators: lane W i + r is a_r[i]
     if BITS == 4:
         acc = ((a0 + a1) + (a2 + a3)) + ((a4 + a5) + (a6 + a7))
