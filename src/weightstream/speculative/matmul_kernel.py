@@ -1,9 +1,9 @@
 """The GPU kernel of the self-draft's low-bit linear layers: the matmul reads the packed integers itself.
 
-A draft step runs its linear layers on a few tokens (1 to `MAX_ROWS`), so they are bound by reading the
-weights. Dequantizing into a weight buffer that cuBLAS then reads (`dequant_kernel.py`) reads each weight
-three times over (integers, then the written weight twice); this kernel reads the integers and scales
-once and never writes a weight: y = x W^T (+ bias) with W dequantized in registers.
+A draft step runs its linear layers on a few tokens, so they are bound by reading the weights.
+Dequantizing into a weight buffer that cuBLAS then reads (`dequant_kernel.py`) reads each weight three
+times over (integers, then the written weight twice); this kernel reads the integers and scales once
+and never writes a weight: y = x W^T (+ bias) with W dequantized in registers.
 
 The arithmetic is `quantize.low_bit_linear`'s, so the bytes are the same: w = q (float32, exact) times its
 group's float32 scale, x widened to float32, each product rounded once (a multiply the compiler may not
@@ -188,8 +188,10 @@ def _launch(kernel, out: torch.Tensor, x: torch.Tensor, values: torch.Tensor, sc
 def low_bit_linear(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, bits: int, columns: int,
                    bias: torch.Tensor | None) -> torch.Tensor:
     """What `quantize.low_bit_linear(x, values, scales, bits, columns, bias)` returns, bit for bit, in one
-    launch: x (..., columns) of at most `MAX_ROWS` rows in the weight's dtype; (values, scales) as
-    `quantize` stores a (outputs, columns) weight. Launched straight from Python (no op dispatch)."""
+    launch: x (..., columns) in the weight's dtype, a few rows (beyond 32 a program's accumulator no
+    longer fits its registers; `draft_linear.MAX_ROWS` is where it is used); (values, scales) as
+    `quantize` stores a (outputs, columns) weight, in groups of whole 32-bit words. Launched straight
+    from Python (no op dispatch)."""
     out = torch.empty(*x.shape[:-1], values.shape[0], dtype=x.dtype, device=x.device)
     _launch(_low_bit_linear, out, x, values, scales, bias, bits)
     return out
@@ -202,5 +204,3 @@ def low_bit_linear_op(x: torch.Tensor, values: torch.Tensor, scales: torch.Tenso
     out = torch.empty(*x.shape[:-1], values.shape[0], dtype=x.dtype, device=x.device)
     _launch(torch.library.wrap_triton(_low_bit_linear), out, x, values, scales, bias, bits)
     return out
-
-

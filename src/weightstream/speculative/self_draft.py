@@ -6,10 +6,10 @@ model to a block kept off the GPU (streamed or zero copy) is a shell: a new obje
 class sharing its attributes, submodules, parameters and buffers; each such block is replaced by a
 draft block, built the same way down to its leaves, in which every weight of two or more dimensions (a
 Linear's weight, GPT-2's Conv1D, a fused expert tensor) is a symmetric low-bit copy read through
-`QuantizedWeight` (dequantize, then the module's own matmul: `quantize.py`; a Linear over one token on
-CUDA runs a low-bit matmul instead: `draft_linear.py`), and every other tensor
-is the model's own where it is resident and a copy on the device where it is not. Everything else
-(embeddings, resident blocks, the final norm, the head) is the model's own module, shared, not copied.
+`QuantizedWeight` (dequantize, then the module's own matmul: `quantize.py`; a Linear over one token
+on CUDA runs a low-bit matmul instead: `draft_linear.py`), and every other tensor is the model's own
+where it is resident and a copy on the device where it is not. Everything else (embeddings, resident
+blocks, the final norm, the head) is the model's own module, shared, not copied.
 The draft blocks have their blocks' own classes, not the streamed subclasses, so a draft forward never
 runs the schedule ops: no wait, no release, no copy.
 
