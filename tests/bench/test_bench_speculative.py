@@ -27,6 +27,8 @@ def test_verify_rows_are_timed_for_each_tree_size(tmp_path):
     assert all(r["median_ms"] > 0 and r["error"] is None for r in rows)
     assert [r["tokens"] for r in rows] == [1, 4, 16, 1, 4]
     assert rows[-1]["link_bytes"] == 0 and rows[-1]["setup"]["draft"] == "self int4 g128"
+    # on the CPU every drafted Linear dequantizes (the low-bit matmul is CUDA's, for one-token steps)
+    assert [r["setup"]["linear"] for r in rows[-2:]] == ["dequantize + matmul"] * 2
 
 
 def test_a_checkpoint_adds_plain_and_speculative_generation_rows_with_the_plain_tokens(tmp_path, checkpoint):
@@ -145,6 +147,7 @@ def test_graph_eager_rows_replay_a_capture_of_the_eager_forward_with_its_logits(
     assert [(r["method"], r["mode"]) for r in rows] == [("ws-verify", "graph-eager")] * 2 + [
         ("ws-self-draft", "graph-eager")] * 2
     assert all(r["error"] is None and r["median_ms"] > 0 for r in rows)
+    assert [r["setup"]["linear"] for r in rows[2:]] == ["low-bit matmul", "dequantize + matmul"]
     model = build_model("tiny", torch.device("cuda"), 0).eval().requires_grad_(False)
     twin = copy.deepcopy(model)
     offload(model, gpu_memory=module_bytes(model) // 2, device="cuda")

@@ -26,7 +26,8 @@ against plain decoding of an offloaded causal LM.
 3. `ws-self-draft` rows (phase `draft-step-W`, W = 1 and the tree's width): one step of the int4 g128
    self-draft of the model offloaded at each budget (its copies beside the budget here: a step's cost
    does not depend on where the budget line is drawn), the forward the draft runs per tree level; it
-   moves no byte over the link (link_bytes 0).
+   moves no byte over the link (link_bytes 0). The setup's `linear` says how its drafted Linears ran:
+   the low-bit matmul (CUDA, at most `draft_linear.MAX_ROWS` tokens) or dequantize + matmul.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from ..errors import BudgetError
 from ..offload import handle_of, offload
 from ..speculative import SelfDraft, generate, offload_with_draft
 from ..speculative.cache import TreeCache
+from ..speculative.draft_linear import MAX_ROWS
 from ..speculative.loop import cache_length
 from ..speculative.shape_choice import candidates
 from ..speculative.tree import TreeShape, causal_mask, tree_from_chains, tree_mask, tree_positions
@@ -283,6 +285,13 @@ def _generation_rows(model: nn.Module, prompts: list, runs: list, budget: int, n
     return rows
 
 
+def _draft_linear(tokens: int, device: torch.device) -> str:
+    """How a drafted `nn.Linear` runs a step of `tokens` tokens on `device` (`draft_linear.py`)."""
+    if device.type == "cuda" and tokens <= MAX_ROWS:
+        return "low-bit matmul"
+    return "dequantize + matmul"
+
+
 def draft_step_rows(model: nn.Module, budget: int, width: int, modes: list[str], context: int, reps: int,
                     device: torch.device) -> list[ResultRow]:
     """`ws-self-draft` rows (module docstring): one step of the int4 self-draft over 1 and `width` tokens
@@ -304,7 +313,7 @@ def draft_step_rows(model: nn.Module, budget: int, width: int, modes: list[str],
             row = ResultRow("ws-self-draft", f"draft-step-{size}", budget, mode, tokens=size, link_bytes=0,
                             reference="none: timing only (tests/speculative check exactness)",
                             setup={"draft": draft.name, "draft_bytes": draft.device_bytes(),
-                                   "context_tokens": context})
+                                   "context_tokens": context, "linear": _draft_linear(size, device)})
             rows.append(_timed(row, _call(draft.forward, args, mode), reps, device, None,
                                f"ws-self-draft {size} tokens {mode}"))
         del cache
