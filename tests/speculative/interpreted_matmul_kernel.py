@@ -38,3 +38,13 @@ def check_random_cases(lead, outputs, columns, bits, group, dtype, bias, raw, pr
     want = low_bit_linear(x, values, scales, bits, columns, b)
     got = matmul_kernel.low_bit_linear(x, values, scales, bits, columns, b)
     assert same_bits(got, want), (got, want)
+
+
+def check_a_wrong_width_is_refused() -> None:
+    """x of another width than the weight's columns raises (the padding would otherwise cut x)."""
+    import pytest
+
+    x, values, scales, b = low_bit_case((1,), 8, 200, 4, 64, torch.float32, False, False,
+                                        torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="columns"):
+        matmul_kernel.low_bit_linear(x[:, :199], values, scales, 4, 200, None)

@@ -196,6 +196,8 @@ def test_the_low_bit_forward_takes_its_matmul_where_it_runs_and_the_dequantized_
         monkeypatch.setattr(draft_linear, "runs_low_bit_linear", lambda x, dtype, group: True)
         monkeypatch.setattr(draft_linear, "low_bit_linear_for_device", low_bit_linear)
         assert torch.equal(linear(x), low_bit_linear(x, values, scales, bits, 200, bias))
+        with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):  # as nn.Linear refuses it
+            linear(torch.randn(3, 199))
 
 
 def test_only_a_few_cuda_rows_in_the_weights_dtype_and_word_groups_run_the_low_bit_matmul():
@@ -215,5 +217,5 @@ def test_the_low_bit_matmul_run_by_tritons_interpreter_matches_the_reference():
     columns, bits, groups, dtypes and stored bytes."""
     pytest.importorskip("triton")
     run = run_interpreted(Path(__file__).parent, "import interpreted_matmul_kernel as m; "
-                          "m.check_random_cases()")
+                          "m.check_random_cases(); m.check_a_wrong_width_is_refused()")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]

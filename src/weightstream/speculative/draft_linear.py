@@ -44,7 +44,8 @@ def low_bit_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     own forward over the dequantized weight."""
     stored = self.parametrizations["weight"]
     how = stored[0]
-    if runs_low_bit_linear(x, how.dtype, how.group):
+    # an input of another width goes to the Linear's own forward, which refuses it as any Linear does
+    if x.shape[-1:] == (how.columns,) and runs_low_bit_linear(x, how.dtype, how.group):
         return low_bit_linear_for_device(x, stored.original0, stored.original1, how.bits, how.columns,
                                          self.bias)
     return nn.functional.linear(x, self.weight, self.bias)

@@ -192,6 +192,8 @@ def low_bit_linear(x: torch.Tensor, values: torch.Tensor, scales: torch.Tensor, 
     longer fits its registers; `draft_linear.MAX_ROWS` is where it is used); (values, scales) as
     `quantize` stores a (outputs, columns) weight, in groups of whole 32-bit words. Launched straight
     from Python (no op dispatch)."""
+    if x.shape[-1:] != (columns,):
+        raise ValueError(f"low_bit_linear: x of shape {tuple(x.shape)} for a weight of {columns} columns")
     out = torch.empty(*x.shape[:-1], values.shape[0], dtype=x.dtype, device=x.device)
     _launch(_low_bit_linear, out, x, values, scales, bias, bits)
     return out
