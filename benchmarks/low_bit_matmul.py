@@ -1,13 +1,15 @@
 """The self-draft's low-bit linear layers on a GPU: the matmul that reads the packed integers itself
 (`speculative/matmul_kernel.py`) against dequantizing into a weight that cuBLAS then reads (the path it
 replaces) and against the resident bfloat16 layer, for the linear layers of the Llama-3-8B and
-Qwen2.5-32B shapes at 1, 4 and 16 rows (a draft step's tokens); then a sweep of the kernel's tiling
-(`UNROLL`, `PROGRAMS`, `WARPS`; none changes a bit of the result) on two layers.
+Qwen2.5-32B shapes at 1, 4, 8 and 16 rows (a draft step's tokens); then a sweep of the kernel's
+tiling (`UNROLL`, `PROGRAMS`, `WARPS`, `ACCUMULATOR`; none changes a bit of the result, which each
+configuration checks) on two layers.
 
     python3 benchmarks/low_bit_matmul.py --out results.json
 
-CUDA events, the median of `--reps` calls after warm-up; random weights quantized symmetric in groups
-of 128 (as `SelfDraft` does by default). GB/s: the bytes the path must read (integers and scales, or
+Each path is timed replayed from a CUDA graph of 10 calls (CUDA events, the median of `--reps` replays
+after warm-up, divided by 10), as a draft step replays them; random weights quantized symmetric in
+groups of 128 (as `SelfDraft` does by default). GB/s: the bytes the path must read (integers and scales, or
 the bfloat16 weight) over its time.
 """
 
@@ -36,18 +38,30 @@ LAYERS = {  # (outputs, columns) of each linear layer of a block
 GROUP = 128
 
 
-def timed(reps: int, call, *args) -> float:
-    """Median ms of `call(*args)` over `reps` CUDA-event-timed calls after 3 warm-up calls."""
-    for _ in range(3):
-        call(*args)
+def timed(reps: int, call, *args, calls: int = 10) -> float:
+    """Median ms of one `call(*args)` replayed from a CUDA graph of `calls` calls (as a draft step runs:
+    no launch costs, which eager back-to-back calls of a layer this fast mostly measure), over `reps`
+    replays after warm-up."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compiled, loaded and warm before capture
+        for _ in range(3):
+            call(*args)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            call(*args)
+    graph.replay()
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        call(*args)
+        graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append(start.elapsed_time(end) / calls)
+    del graph
     return statistics.median(times)
 
 
@@ -63,7 +77,8 @@ def main() -> None:
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     doc = {"command": "python3 benchmarks/low_bit_matmul.py " + " ".join(sys.argv[1:]),
-           "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "group": GROUP, "rows": []}
+           "gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "group": GROUP,
+           "timing": "CUDA graph of 10 calls, per call", "rows": []}
     for (shape, layers), bits, rows in itertools.product(LAYERS.items(), (4, 8), (1, 4, 8, 16)):
         for name, (outputs, columns) in layers.items():
             weight = torch.randn(outputs, columns, device="cuda", generator=gen).to(torch.bfloat16) * 0.02
