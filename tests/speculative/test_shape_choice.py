@@ -24,6 +24,7 @@ from weightstream.speculative.shape_choice import (
     MAX_TREE_TOKENS,
     candidates,
     choose_shape,
+    draft_pass_ms,
     estimate_acceptance,
     expected_accepted,
     objective,
@@ -40,20 +41,34 @@ from weightstream.speculative.shape_costs import (
 
 @settings(max_examples=200, deadline=None)
 @given(a=st.floats(0, 1), fixed=st.floats(0.1, 500), per_token=st.floats(0, 20), draft=st.floats(0, 50),
-       draft_per_token=st.floats(0, 5), max_tokens=st.integers(2, 200))
-def test_the_choice_is_the_argmax_of_the_objective(a, fixed, per_token, draft, draft_per_token, max_tokens):
+       draft_per_token=st.floats(0, 5), max_tokens=st.integers(2, 200), root=st.sampled_from([1, 2]))
+def test_the_choice_is_the_argmax_of_the_objective(a, fixed, per_token, draft, draft_per_token, max_tokens,
+                                                   root):
     def verify_ms(n: int) -> float:
         return fixed + per_token * n
 
     def draft_step_ms(w: int) -> float:
         return draft + draft_per_token * w
 
-    choice = choose_shape(a, verify_ms, draft_step_ms, max_tokens=max_tokens)
-    best = objective(a, choice.width, choice.depth, verify_ms, draft_step_ms)
-    assert all(best >= objective(a, w, d, verify_ms, draft_step_ms)
+    choice = choose_shape(a, verify_ms, draft_step_ms, max_tokens=max_tokens, root=root)
+    best = objective(a, choice.width, choice.depth, verify_ms, draft_step_ms, root)
+    assert all(best >= objective(a, w, d, verify_ms, draft_step_ms, root)
                for w, d in candidates(max_tokens=max_tokens))
     assert choice.tokens <= max_tokens
     assert choice.tokens_per_second == pytest.approx(best * 1e3)
+    # a pass drafts the root's step, then one step of `width` tokens for each further level
+    want = draft_step_ms(root) + (choice.depth - 1) * draft_step_ms(choice.width)
+    assert choice.draft_ms == pytest.approx(want)
+
+
+def test_a_pass_counts_the_roots_step_at_its_own_tokens():
+    """A self-draft's root step runs one token, a draft model's two; then width tokens a level."""
+    def step(tokens: int) -> float:
+        return {1: 10.0, 2: 12.0, 4: 30.0}[tokens]
+
+    assert draft_pass_ms(4, 1, step) == 10.0
+    assert draft_pass_ms(4, 3, step) == 10.0 + 2 * 30.0
+    assert draft_pass_ms(4, 3, step, root=2) == 12.0 + 2 * 30.0
 
 
 def test_a_link_bound_verify_picks_a_large_tree_and_a_compute_bound_one_a_small_one():
@@ -138,6 +153,8 @@ def test_the_shape_is_chosen_again_from_the_measured_acceptance_and_stays_exact(
     auto = auto_shape(model, DraftModel(draft), 2, "auto", max_depth(model.config, ids.shape[1], 12),
                       False)
     first = auto.choose()
+    assert auto.root == 2  # a draft model's first step of a pass runs two tokens (its cache lags one)
+    assert first.draft_ms == pytest.approx(auto.draft_step_ms(2) + (first.depth - 1) * auto.draft_step_ms(2))
     assert stats.shapes[0][:2] == (first.width, first.depth) and stats.shapes[0][2] == 2
     assert stats.measured_acceptance == estimate_acceptance(stats.accepted[:2], first.width, first.depth,
                                                             auto.prior)
@@ -183,6 +200,7 @@ def test_a_self_draft_step_costs_its_drafted_blocks_as_measured_per_token_count(
     share = drafted_share(model, draft)
     assert 0 < share <= 1 and ws.handle_of(model).placement.streamed
     auto = auto_shape(model, draft, "auto", "auto", None, False)
+    assert auto.root == 1  # the self-draft's first step runs the root alone
     resident_ms = _forward_ms(model, False, resident=True)
     for w in (1, 4):
         ratio = SELF_DRAFT_RATIO_LOW_BIT if w <= MAX_ROWS else SELF_DRAFT_RATIO

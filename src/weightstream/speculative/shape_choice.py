@@ -5,9 +5,13 @@ kind, `PRIOR_ACCEPTANCE`), independently of the others; a level of `width` alter
 any of them is, with probability a_w = 1 - (1 - a)^width; level d is accepted only when levels 1..d-1
 are. So a tree `depth` levels deep accepts E = a_w + a_w^2 + ... + a_w^depth drafted tokens per pass in
 expectation, and a pass emits 1 + E tokens. A pass costs one verify forward over 1 + width * depth
-tokens (`verify_ms`) plus `depth` draft steps of `width` tokens (`draft_step_ms`), so the objective is
+tokens (`verify_ms`) plus the draft's steps (`draft_step_ms`): one over the root (`root` tokens: 1 for
+a self-draft, 2 for a draft model, whose cache lags one token) that proposes the first level, then one
+of `width` tokens for each further level, so the objective is
 
-    (1 + E(width, depth)) / (verify_ms(1 + width * depth) + depth * draft_step_ms(width))   tokens per ms.
+    (1 + E) / (verify_ms(1 + width * depth) + draft_step_ms(root) + (depth - 1) * draft_step_ms(width))
+
+tokens per ms.
 
 A link-bound verify forward costs about the same at 1 token as at hundreds, so the objective grows with
 the tree; a compute-bound one grows with the tree's tokens, so a small tree wins. `estimate_acceptance`
@@ -46,7 +50,7 @@ class ShapeChoice:
     acceptance: float  # per-level acceptance `a` of one drafted token the choice assumed
     expected_accepted: float  # drafted tokens accepted per pass, in expectation
     verify_ms: float  # one verify forward over 1 + width * depth tokens
-    draft_ms: float  # the draft's steps of one pass: depth steps of width tokens
+    draft_ms: float  # the draft's steps of one pass: the root's, then depth - 1 of width tokens
 
     @property
     def tokens(self) -> int:
@@ -71,11 +75,17 @@ def expected_accepted(a: float, width: int, depth: int) -> float:
     return sum(p ** d for d in range(1, depth + 1))
 
 
+def draft_pass_ms(width: int, depth: int, draft_step_ms: Callable[[int], float], root: int = 1) -> float:
+    """The draft's ms of one pass of a tree `width` x `depth`: a step over the `root` tokens, then
+    `depth` - 1 steps of `width` tokens (module docstring)."""
+    return draft_step_ms(root) + (depth - 1) * draft_step_ms(width) if depth else 0.0
+
+
 def objective(a: float, width: int, depth: int, verify_ms: Callable[[int], float],
-              draft_step_ms: Callable[[int], float]) -> float:
+              draft_step_ms: Callable[[int], float], root: int = 1) -> float:
     """Predicted tokens per ms of a tree `width` x `depth`: (1 + expected accepted) / (verify ms at
-    1 + width * depth tokens + depth x draft-step ms at `width` tokens)."""
-    cost = verify_ms(1 + width * depth) + depth * draft_step_ms(width)
+    1 + width * depth tokens + the draft's steps, `draft_pass_ms`)."""
+    cost = verify_ms(1 + width * depth) + draft_pass_ms(width, depth, draft_step_ms, root)
     return (1 + expected_accepted(a, width, depth)) / cost
 
 
@@ -88,11 +98,12 @@ def candidates(widths: Sequence[int] = WIDTHS, depths: Sequence[int] = DEPTHS,
 
 def choose_shape(a: float, verify_ms: Callable[[int], float], draft_step_ms: Callable[[int], float],
                  widths: Sequence[int] = WIDTHS, depths: Sequence[int] = DEPTHS,
-                 max_tokens: int = MAX_TREE_TOKENS) -> ShapeChoice:
+                 max_tokens: int = MAX_TREE_TOKENS, root: int = 1) -> ShapeChoice:
     """The candidate shape (`candidates`) of the highest `objective`; ties go to the fewer tokens, then
     the narrower tree. a: per-level acceptance of one drafted token, in [0, 1]. verify_ms(tokens): ms of
-    a verify forward over that many tokens; draft_step_ms(width): ms of one draft step of that many
-    tokens (0 for prompt lookup). ArgumentError where no candidate is left or `a` is out of range."""
+    a verify forward over that many tokens; draft_step_ms(tokens): ms of one draft step of that many
+    tokens (0 for prompt lookup); root: the tokens of the draft's first step. ArgumentError where no
+    candidate is left or `a` is out of range."""
     if not 0.0 <= a <= 1.0:
         raise ArgumentError(f"acceptance {a!r}: give a probability between 0 and 1")
     shapes = candidates(widths, depths, max_tokens)
@@ -100,11 +111,12 @@ def choose_shape(a: float, verify_ms: Callable[[int], float], draft_step_ms: Cal
         raise ArgumentError(f"no tree of widths {list(widths)} and depths {list(depths)} has at most "
                             f"{max_tokens} tokens: allow a smaller depth or width")
     verify = {n: verify_ms(n) for n in sorted({1 + w * d for w, d in shapes})}
-    step = {w: draft_step_ms(w) for w in sorted({w for w, _ in shapes})}
-    best = max(shapes, key=lambda s: (objective(a, *s, verify.__getitem__, step.__getitem__),
+    step = {w: draft_step_ms(w) for w in sorted({root, *(w for w, _ in shapes)})}
+    best = max(shapes, key=lambda s: (objective(a, *s, verify.__getitem__, step.__getitem__, root),
                                       -(1 + s[0] * s[1]), -s[0]))
     w, d = best
-    return ShapeChoice(w, d, a, expected_accepted(a, w, d), verify[1 + w * d], d * step[w])
+    return ShapeChoice(w, d, a, expected_accepted(a, w, d), verify[1 + w * d],
+                       draft_pass_ms(w, d, step.__getitem__, root))
 
 
 def estimate_acceptance(accepted: Sequence[int], width: int, depth: int, prior: float,

@@ -123,11 +123,13 @@ class AutoShape:
     draft_step_ms: Callable[[int], float]
     prior: float
     max_tokens: int
+    root: int = 1  # tokens of the draft's first step of a pass (2 for a draft model)
 
     def choose(self, acceptance: float | None = None) -> ShapeChoice:
         """The shape of the highest predicted tokens/ms at `acceptance` (None: the prior)."""
         a = self.prior if acceptance is None else acceptance
-        return choose_shape(a, self.verify_ms, self.draft_step_ms, self.widths, self.depths, self.max_tokens)
+        return choose_shape(a, self.verify_ms, self.draft_step_ms, self.widths, self.depths, self.max_tokens,
+                            self.root)
 
     @property
     def plain_tokens_per_second(self) -> float:
@@ -170,4 +172,5 @@ def auto_shape(model: nn.Module, drafter, width, depth, max_depth: int | None,
             return 0.0
     # a re-choice asks again: predict each tree size once
     return AutoShape(widths, depths, functools.cache(verify_ms), functools.cache(draft_step_ms),
-                     prior_acceptance(drafter), max(MAX_TREE_TOKENS, 1 + min(widths) * min(depths)))
+                     prior_acceptance(drafter), max(MAX_TREE_TOKENS, 1 + min(widths) * min(depths)),
+                     2 if isinstance(drafter, DraftModel) else 1)
