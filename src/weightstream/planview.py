@@ -64,6 +64,8 @@ def plan_report(model_name: str, gpu_memory: int | str | OffloadConfig, tokens: 
     split = None
     if speculate is not None:
         from .speculative.budget import split_placement
+        from .speculative.draft import resolve_draft
+        from .speculative.shape_costs import planned_choice
 
         draft = (speculate if speculate in ("self", "prompt-lookup")
                  else meta_model(speculate, next(model.parameters()).dtype))
@@ -71,6 +73,7 @@ def plan_report(model_name: str, gpu_memory: int | str | OffloadConfig, tokens: 
                                 strategy=config.strategy, compress=config.compress, host_bytes=host_bytes,
                                 blocks=config.blocks)
         p = split.placement
+        choice = planned_choice(cost, p, profile, resolve_draft(draft))
     # a causal LM: decode and prefill; any other model (a diffusers denoiser): the tokens planned for
     phases = ((("decode", 1), (f"prefill_{prefill_tokens}", prefill_tokens)) if not diffusers_model
               else ((f"forward_{tokens}", tokens),))
@@ -120,8 +123,22 @@ def plan_report(model_name: str, gpu_memory: int | str | OffloadConfig, tokens: 
                           "link_bytes": round(v.link_bytes)}
                       for k, v in predictions.items()},
         # speculative decoding: the budget split between the target's weights and the draft's
-        "speculative": split.as_dict() if split is not None else None,
+        "speculative": ({**split.as_dict(), "predicted": _speculation(choice, predictions.get("decode"))}
+                        if split is not None else None),
     }
+
+
+def _speculation(choice, decode) -> dict | None:
+    """What the automatic tree shape predicts at the draft's prior acceptance (`planned_choice`), beside
+    plain decoding's forward in a loop; None where it is not predicted (a draft model)."""
+    if choice is None or decode is None:
+        return None
+    plain = 1e3 / decode.again_ms
+    return {"width": choice.width, "depth": choice.depth, "tokens": choice.tokens,
+            "prior_acceptance": choice.acceptance, "expected_accepted": round(choice.expected_accepted, 2),
+            "verify_ms": round(choice.verify_ms, 4), "draft_ms": round(choice.draft_ms, 4),
+            "tokens_per_s": round(choice.tokens_per_second, 3), "plain_tokens_per_s": round(plain, 3),
+            "speedup": round(choice.tokens_per_second / plain, 2)}
 
 
 def _wire(cost, p) -> dict:
@@ -182,6 +199,15 @@ def format_report(r: dict) -> str:
             + (f" (low-bit copies of {spec['drafted_blocks']} blocks)" if spec["drafted_blocks"] else "")
             + f" = {size(spec['total_bytes'])} of {size(spec['gpu_memory'])} (the target planned with "
             f"{size(spec['weights_budget'])}; KV caches not counted)")
+        guess = spec.get("predicted")
+        if guess is not None:
+            lines.append(
+                f"predicted speculative decode (modelled: the {spec['draft']} draft's prior acceptance "
+                f"{guess['prior_acceptance']}, not measured on this model): tree {guess['width']}x"
+                f"{guess['depth']}, {guess['expected_accepted']} drafted tokens accepted a pass, verify "
+                f"{guess['verify_ms']:.1f} ms + draft {guess['draft_ms']:.1f} ms: "
+                f"{guess['tokens_per_s']:.2f} tokens/s against {guess['plain_tokens_per_s']:.2f} plain "
+                f"({guess['speedup']}x)")
     for phase, p in r["predicted"].items():
         lines.append(f"predicted {phase}: {p['ms']:.1f} ms per forward in a loop ({p['first_ms']:.1f} ms "
                      f"the first), {p['bound']}-bound (compute {p['compute_ms']:.1f} ms, link "

@@ -19,6 +19,7 @@ import weightstream as ws
 from weightstream.cli import main
 from weightstream.errors import BudgetError
 from weightstream.speculative import DraftModel, offload_with_draft, plan_split
+from weightstream.speculative.shape_choice import MAX_TREE_TOKENS, PRIOR_ACCEPTANCE
 
 
 @pytest.fixture(scope="module")
@@ -127,10 +128,23 @@ def test_plan_speculate_prints_the_split(tmp_path, capsys):
                  "self"]) == 0
     text = capsys.readouterr().out
     assert "budget split with the self int4 g128 draft: target resident" in text and "+ staging" in text
+    assert "predicted speculative decode (modelled: the self int4 g128 draft's prior acceptance 0.44" in text
     assert main(["plan", model, "--gpu-memory", str(budget), "--dtype", "float32", "--speculate", "self",
                  "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     spec = report["speculative"]
+    guess = spec["predicted"]  # the shape generate(width="auto", depth="auto") would choose first
+    assert guess["prior_acceptance"] == PRIOR_ACCEPTANCE["self-int4"] and guess["draft_ms"] > 0
+    assert guess["tokens"] == 1 + guess["width"] * guess["depth"] <= MAX_TREE_TOKENS
+    assert guess["tokens_per_s"] == pytest.approx(
+        (1 + guess["expected_accepted"]) / (guess["verify_ms"] + guess["draft_ms"]) * 1e3, rel=1e-2)
+    # plain decoding: one forward in a loop a token (the report's decode ms, rounded to 0.01 ms)
+    assert 1e3 / guess["plain_tokens_per_s"] == pytest.approx(report["predicted"]["decode"]["ms"], abs=0.006)
+    assert guess["speedup"] == pytest.approx(guess["tokens_per_s"] / guess["plain_tokens_per_s"], rel=1e-2)
+    assert main(["plan", model, "--gpu-memory", str(budget), "--dtype", "float32", "--speculate",
+                 "prompt-lookup", "--json"]) == 0
+    lookup = json.loads(capsys.readouterr().out)["speculative"]["predicted"]
+    assert lookup["draft_ms"] == 0 and lookup["prior_acceptance"] == PRIOR_ACCEPTANCE["prompt-lookup"]
     assert spec["target_resident_bytes"] + spec["staging_bytes"] + spec["draft_bytes"] == spec["total_bytes"]
     assert spec["total_bytes"] <= budget == spec["gpu_memory"] and spec["draft_bytes"] > 0
     assert report["resident"]["bytes"] == spec["target_resident_bytes"]
@@ -141,6 +155,7 @@ def test_plan_speculate_prints_the_split(tmp_path, capsys):
                  str(tmp_path / "draft"), "--json"]) == 0
     spec = json.loads(capsys.readouterr().out)["speculative"]
     assert spec["draft"] == "model" and spec["draft_bytes"] == spec["gpu_memory"] - spec["weights_budget"]
+    assert spec["predicted"] is None  # a draft model's own forward is not planned here
     assert main(["plan", model, "--gpu-memory", "250000", "--dtype", "float32", "--strategy", "stream",
                  "--speculate", "self"]) == 2
     assert "cannot hold the self int4 g128 draft" in capsys.readouterr().err

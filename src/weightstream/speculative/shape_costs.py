@@ -77,13 +77,40 @@ def _forward_ms(model: nn.Module, replay: bool, resident: bool = False) -> Calla
         p, profile = None, load_profile(device)
     if resident or p is None:
         p = Placement((), 0, 0, 0, 0)
+    return placement_ms(cost, p, profile, replay)
+
+
+def placement_ms(cost, p: Placement, profile, replay: bool) -> Callable[[int], float]:
+    """ms of one forward at a number of tokens of a model of `cost` placed as `p`, by the cost model on
+    `profile`: replayed from a CUDA graph (`replay`, entered with nothing staged) or in a loop."""
 
     def ms(tokens: int) -> float:
         got = predict(cost, p.streamed, p.n_slots, p.uva, tokens, profile, p.part, p.compressed,
-                      p.n_landing, p.uva_experts)
+                      p.n_landing, p.uva_experts, p.expert_cache, p.expert_slots)
         return got.ms if replay else got.again_ms
 
     return ms
+
+
+def planned_choice(cost, p: Placement, profile, drafter) -> ShapeChoice | None:
+    """The tree shape `generate(width="auto", depth="auto")` would choose first, and what it predicts,
+    for a model of `cost` placed as `p` (`weightstream plan --speculate`): eager forwards in a loop,
+    the draft's prior acceptance; a self-draft drafting the blocks `p` keeps off the GPU. None for a
+    draft model (its own forward is not planned here)."""
+    if isinstance(drafter, DraftModel):
+        return None
+    verify_ms = functools.cache(placement_ms(cost, p, profile, False))
+    if isinstance(drafter, SelfDraft):
+        resident_ms = placement_ms(cost, Placement((), 0, 0, 0, 0), profile, False)
+        total = sum(cost.block_bytes)
+        share = sum(cost.block_bytes[i] for i in (*p.streamed, *p.uva)) / total if total else 0.0
+
+        def draft_step_ms(w: int) -> float:
+            return resident_ms(w) * self_draft_scale(share, w)
+    else:
+        def draft_step_ms(w: int) -> float:
+            return 0.0
+    return choose_shape(prior_acceptance(drafter), verify_ms, draft_step_ms, root=1)
 
 
 def prior_acceptance(drafter) -> float:
