@@ -47,7 +47,7 @@ from ..errors import BudgetError
 from ..offload import handle_of, offload
 from ..speculative import SelfDraft, generate, offload_with_draft
 from ..speculative.cache import TreeCache
-from ..speculative.draft_linear import MAX_ROWS
+from ..speculative.draft_linear import low_bit_rows
 from ..speculative.loop import cache_length
 from ..speculative.shape_choice import candidates
 from ..speculative.tree import TreeShape, causal_mask, tree_from_chains, tree_mask, tree_positions
@@ -287,9 +287,7 @@ def _generation_rows(model: nn.Module, prompts: list, runs: list, budget: int, n
 
 def _draft_linear(tokens: int, device: torch.device) -> str:
     """How a drafted `nn.Linear` runs a step of `tokens` tokens on `device` (`draft_linear.py`)."""
-    if device.type == "cuda" and tokens <= MAX_ROWS:
-        return "low-bit matmul"
-    return "dequantize + matmul"
+    return "low-bit matmul" if low_bit_rows(device, tokens) else "dequantize + matmul"
 
 
 def draft_step_rows(model: nn.Module, budget: int, width: int, modes: list[str], context: int, reps: int,

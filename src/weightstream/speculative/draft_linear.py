@@ -30,12 +30,18 @@ def low_bit_linear_for_device(x: torch.Tensor, values: torch.Tensor, scales: tor
     return matmul_kernel.low_bit_linear(x, values, scales, bits, columns, bias)
 
 
+def low_bit_rows(device: torch.device, rows: int) -> bool:
+    """Whether `rows` rows (a draft step's tokens) on `device` are few enough for the low-bit matmul:
+    CUDA, at most `MAX_ROWS`."""
+    return device.type == "cuda" and rows <= MAX_ROWS
+
+
 def runs_low_bit_linear(x: torch.Tensor, dtype: torch.dtype, group: int) -> bool:
     """Whether a low-bit linear layer of weight dtype `dtype` in groups of `group` columns runs `x`
-    through its own matmul: on CUDA, x in that dtype, at most `MAX_ROWS` rows (a draft step's tokens),
-    groups of whole 32-bit words; otherwise it dequantizes and calls the layer's own matmul."""
-    return (x.is_cuda and x.dtype == dtype and x.dim() >= 1 and x.numel() <= MAX_ROWS * x.shape[-1]
-            and group % WORD_GROUP == 0)
+    through its own matmul: `low_bit_rows`, x in that dtype, groups of whole 32-bit words; otherwise it
+    dequantizes and calls the layer's own matmul."""
+    return (x.dim() >= 1 and x.dtype == dtype and group % WORD_GROUP == 0
+            and low_bit_rows(x.device, x.numel() // x.shape[-1] if x.shape[-1] else 0))
 
 
 def low_bit_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:

@@ -100,17 +100,23 @@ def planned_choice(cost, p: Placement, profile, drafter) -> ShapeChoice | None:
     if isinstance(drafter, DraftModel):
         return None
     verify_ms = functools.cache(placement_ms(cost, p, profile, False))
+    draft_step_ms = _no_draft_step
     if isinstance(drafter, SelfDraft):
-        resident_ms = placement_ms(cost, Placement((), 0, 0, 0, 0), profile, False)
         total = sum(cost.block_bytes)
         share = sum(cost.block_bytes[i] for i in (*p.streamed, *p.uva)) / total if total else 0.0
-
-        def draft_step_ms(w: int) -> float:
-            return resident_ms(w) * self_draft_scale(share, w)
-    else:
-        def draft_step_ms(w: int) -> float:
-            return 0.0
+        draft_step_ms = _self_draft_step(placement_ms(cost, Placement((), 0, 0, 0, 0), profile, False), share)
     return choose_shape(prior_acceptance(drafter), verify_ms, draft_step_ms, root=1)
+
+
+def _self_draft_step(resident_ms: Callable[[int], float], share: float) -> Callable[[int], float]:
+    """A self-draft step's ms at a number of tokens: the resident forward's, scaled for `share` of the
+    block bytes drafted (`self_draft_scale`)."""
+    return lambda tokens: resident_ms(tokens) * self_draft_scale(share, tokens)
+
+
+def _no_draft_step(tokens: int) -> float:
+    """Prompt lookup drafts on the host: no draft step is counted."""
+    return 0.0
 
 
 def prior_acceptance(drafter) -> float:
@@ -188,15 +194,11 @@ def auto_shape(model: nn.Module, drafter, width, depth, max_depth: int | None,
     verify_ms = _forward_ms(model, replay)
     if isinstance(drafter, SelfDraft):
         resident_ms = _forward_ms(model, replay, resident=True)
-        share = drafted_share(model, drafter)
-
-        def draft_step_ms(w: int) -> float:
-            return resident_ms(w) * self_draft_scale(share, w)
+        draft_step_ms = _self_draft_step(resident_ms, drafted_share(model, drafter))
     elif isinstance(drafter, DraftModel):
         draft_step_ms = _forward_ms(drafter.model, replay)
     else:
-        def draft_step_ms(w: int) -> float:
-            return 0.0
+        draft_step_ms = _no_draft_step
     # a re-choice asks again: predict each tree size once
     return AutoShape(widths, depths, functools.cache(verify_ms), functools.cache(draft_step_ms),
                      prior_acceptance(drafter), max(MAX_TREE_TOKENS, 1 + min(widths) * min(depths)),
