@@ -90,3 +90,60 @@ def test_a_shape_host_memory_cannot_hold_is_refused_with_plan_as_the_way_out(mon
                                          r"plan it instead \(weightstream plan qwen3-30b-a3b"):
         shapes.check_shape(shapes.get_shape("qwen3-30b-a3b"), torch.device("cpu"))
     shapes.check_shape(shapes.get_shape("tiny-moe"), torch.device("cpu"))  # tiny shapes: never refused
+
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (2, 6), (1, 12)])  # 12 > the sliding window (4)
+def test_an_eager_attention_model_gets_its_masks_built_once_and_gives_the_same_bits(shape, monkeypatch):
+    """GPT-OSS (eager attention: sliding and full layers) builds its float masks at every forward (in
+    transformers 5.17 with a host scalar copied to the device, which a CUDA graph capture refuses); the
+    bench's forward builds them once per input shape and passes them, and the model builds none, with
+    the logits of the model's own forward."""
+    from model_zoo import gpt_oss
+    from transformers.models.gpt_oss import modeling_gpt_oss
+
+    from weightstream.bench.causal_lm import CAUSAL_LM
+
+    built = []
+    for name in ("create_causal_mask", "create_sliding_window_causal_mask"):
+        own = getattr(modeling_gpt_oss, name)
+        monkeypatch.setattr(modeling_gpt_oss, name,
+                            lambda *a, _own=own, _name=name, **k: built.append(_name) or _own(*a, **k))
+    model, _ = gpt_oss()
+    model.eval()
+    assert model.config._attn_implementation == "eager"
+    ids = torch.randint(0, 128, shape, generator=torch.Generator().manual_seed(sum(shape)))
+    with torch.no_grad():
+        expected = model(ids, use_cache=False).logits
+        assert sorted(set(built)) == ["create_causal_mask", "create_sliding_window_causal_mask"]
+        built.clear()
+        first, again = (CAUSAL_LM.forward(model, ids) for _ in range(2))
+    assert built == []
+    assert torch.equal(first, expected) and torch.equal(again, expected)
+
+def test_an_sdpa_model_is_run_as_it_is():
+    from weightstream.bench.causal_lm import CAUSAL_LM
+
+    model = shapes.build_model("tiny", torch.device("cpu"))
+    assert model.config._attn_implementation == "sdpa"
+    assert CAUSAL_LM.masks(model, torch.zeros(1, 4, dtype=torch.long)) is None
+
+
+@pytest.mark.gpu
+def test_an_eager_attention_model_is_captured_in_a_cuda_graph_by_the_bench_forward():
+    """The bench's GPT-OSS forward is captured in a CUDA graph (transformers 5.17's own cannot be: its
+    eager mask copies a host scalar) and its replay gives the eager forward's logits."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from model_zoo import gpt_oss
+
+    from weightstream.bench.causal_lm import CAUSAL_LM
+    from weightstream.placement.timing import capture_graph
+
+    model, _ = gpt_oss()
+    model = model.to("cuda", torch.bfloat16).eval()
+    ids = torch.randint(0, 128, (1, 1), device="cuda")
+    with torch.no_grad():
+        expected = model(ids, use_cache=False).logits
+        replay = capture_graph(lambda x: CAUSAL_LM.forward(model, x), ids)
+        assert torch.equal(replay(), expected)

@@ -8,6 +8,8 @@ PROMPT_TOKENS-token prompt, with its KV cache (what a user runs; eager only).
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import nn
 
@@ -29,6 +31,9 @@ class CausalLM:
 
     name = "causal-lm"
     dtype_name = "bfloat16"  # recorded in the result document's `shape`
+
+    def __init__(self) -> None:
+        self._masks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {shape: masks}
 
     def config(self, fields: dict):
         """The transformers config, SDPA attention where the model class has it (the resident reference
@@ -70,8 +75,30 @@ class CausalLM:
                                       generator=gen).to(device) for p in phases}
 
     def forward(self, model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
-        """One forward without KV cache; the logits (batch, seq, vocab)."""
-        return model(ids, use_cache=False).logits
+        """One forward without KV cache; the logits (batch, seq, vocab). An eager-attention model gets
+        the attention masks of its input shape built once, before a graph capture (`masks`)."""
+        masks = None if torch.compiler.is_compiling() else self.masks(model, ids)
+        if masks is None:
+            return model(ids, use_cache=False).logits
+        return model(ids, attention_mask=masks, use_cache=False).logits
+
+    def masks(self, model: nn.Module, ids: torch.Tensor):
+        """The attention masks of a forward over `ids` without KV cache for an eager-attention model
+        (GPT-OSS), built by transformers' own `create_masks_for_generate` at the first forward of this
+        input shape (the bench's warm-up, before any capture) and passed to every later one; None for
+        other attention. Why: transformers 5.17's eager mask writes `torch.tensor(0.0, device=...)` at every
+        forward, a copy from host memory that a CUDA graph capture refuses (later versions build it on
+        the device). Same masks, same bits."""
+        if getattr(model.config, "_attn_implementation", None) != "eager":
+            return None
+        built = self._masks.setdefault(model, {})
+        key = (tuple(ids.shape), ids.device)
+        if key not in built:
+            from transformers.masking_utils import create_masks_for_generate
+
+            shape_only = torch.empty(*ids.shape, 0, dtype=model.dtype, device=ids.device)
+            built[key] = create_masks_for_generate(model.config, shape_only, None, None)
+        return built[key]
 
     def generate(self, model: nn.Module, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
         """A greedy generation of `new_tokens` after the prompt `ids`, with a KV cache; the token ids."""
