@@ -8,6 +8,8 @@ import warnings
 import pytest
 import torch
 from conftest import ARCHS, in_order_copies, state_copy, weight_bytes
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import weightstream as ws
@@ -258,6 +260,71 @@ def test_a_parameter_shared_by_all_blocks_stays_resident():
     with torch.no_grad():
         assert torch.equal(model(x), ref(x))
 
+
+
+@settings(max_examples=20, deadline=None)
+@given(pairs=st.lists(st.tuples(st.integers(0, 5), st.integers(0, 5)).filter(lambda p: p[0] != p[1]),
+                      min_size=1, max_size=3),
+       strategy=st.sampled_from(["stream", "uva"]))
+def test_a_submodule_held_by_two_blocks_stays_resident_and_both_read_it(pairs, strategy):
+    """One module object registered in two blocks (weight sharing by module): `named_modules()` lists it
+    once, under one block; streamed with that block, the other block read whatever the slot held."""
+    torch.manual_seed(0)
+    ref = Toy().eval().requires_grad_(False)
+    for i, j in pairs:
+        ref.layers[j].fc = ref.layers[i].fc
+    model = copy.deepcopy(ref)
+    with pytest.raises(ws.BudgetError) as info:
+        ws.offload(model, gpu_memory=0, device="cpu", strategy=strategy)
+    handle = ws.offload(model, gpu_memory=info.value.minimum_bytes, device="cpu", strategy=strategy)
+    holders = {id(layer.fc): sum(other.fc is layer.fc for other in model.layers) for layer in model.layers}
+    for entry in handle.engine.entries:
+        if isinstance(entry.sites[0].module, nn.Linear) and entry.sites[0].module is not model.inp:
+            assert (entry.owner is None) == (holders[id(entry.sites[0].module)] > 1)
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(model(x), ref(x))
+    handle.restore()
+    with torch.no_grad():
+        assert torch.equal(model(x), ref(x))
+
+
+@settings(max_examples=16, deadline=None)
+@given(built_inside=st.booleans(), offloaded_inside=st.booleans(),
+       strategy=st.sampled_from(["stream", "uva"]))
+def test_inference_mode_while_building_or_offloading_keeps_outputs_and_write_checks(
+        built_inside, offloaded_inside, strategy):
+    """A model built under torch.inference_mode (its parameters inference tensors) or offloaded under it
+    (the staging tensors would be inference tensors): neither keeps a version counter, so the engine
+    could not see a write between forwards (it went unnoticed, silently wrong) and offloading raised
+    half way. Outputs stay exact, a write to a streamed weight between forwards is refused, restore
+    gives the model back."""
+    from weightstream.errors import OffloadStateError
+
+    with torch.inference_mode(built_inside):
+        torch.manual_seed(0)
+        ref, model = Toy().eval(), Toy().eval()
+        model.load_state_dict(ref.state_dict())
+    with torch.inference_mode(offloaded_inside):
+        with pytest.raises(ws.BudgetError) as info:
+            ws.offload(model, gpu_memory=0, device="cpu", strategy=strategy)
+        handle = ws.offload(model, gpu_memory=info.value.minimum_bytes, device="cpu", strategy=strategy)
+    x = torch.randn(3, 16)
+    with torch.inference_mode():
+        assert torch.equal(model(x), ref(x))
+        model.layers[2].fc.weight.mul_(2)
+        ref.layers[2].fc.weight.mul_(2)
+        if strategy == "stream":  # the write landed in a staging slot: refused
+            with pytest.raises(OffloadStateError, match="written in place outside"):
+                model(x)
+        else:  # zero copy: the write landed in the weight's own host memory
+            assert torch.equal(model(x), ref(x))
+    if strategy == "stream":
+        return
+    handle.restore()
+    with torch.inference_mode():
+        assert torch.equal(model(x), ref(x))
 
 def test_two_offloaded_models_in_one_process_are_independent():
     ref_a, a = toy_twin(0)

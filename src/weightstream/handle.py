@@ -379,6 +379,7 @@ def finish(
     return handle
 
 
+@torch.inference_mode(False)  # the engine's tensors need version counters, even when offloaded in one
 def offload_module(model: nn.Module, config: OffloadConfig) -> OffloadHandle:
     """Offload one nn.Module in place as `config` says (`weightstream.offload` documents each field)."""
     prep = prepare(model, config)

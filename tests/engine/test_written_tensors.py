@@ -121,6 +121,47 @@ def test_a_running_sum_in_a_buffer_matches_the_resident_model_in_outputs_state_a
     assert same_state(model, ref)
 
 
+
+class Writes(nn.Module):
+    """A block that writes one of its tensors (`target`, a qualified name inside it) in place in its
+    forward: at every call, or at its first only (a lazy normalisation)."""
+
+    def __init__(self, target: str, every_call: bool) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(D, 2 * D), nn.Linear(2 * D, D)
+        self.register_buffer("stat", torch.ones(D))
+        self.target, self.every_call, self.calls = target, every_call, 0
+
+    def forward(self, x):
+        if self.every_call or self.calls == 0:
+            t = self.get_parameter(self.target) if "." in self.target else self.get_buffer(self.target)
+            t.mul_(0.5)
+        self.calls += 1
+        return x + self.b(torch.relu(self.a(x))) * self.stat
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(target=st.sampled_from(["a.weight", "a.bias", "b.weight", "b.bias", "stat"]), every_call=st.booleans(),
+       n_slots=st.sampled_from([1, 2]))
+def test_a_block_writing_any_of_its_streamed_tensors_keeps_it_resident_and_stays_exact(target, every_call,
+                                                                                        n_slots):
+    """Whichever of a block's streamed tensors its forward writes (not only the first of its group: the
+    watch once compared its records by value, and dropping a later one raised), that tensor moves to
+    resident storage with a warning, and outputs, state and the restored model equal the resident's."""
+    ref = chain(lambda: Writes(target, every_call))
+    model, handle = streamed(ref, n_slots, headroom=1 << 20)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            x = torch.randn(3, D)
+            assert torch.equal(model(x), ref(x))
+    assert any(f"{target} " in str(w.message) and "is written in place by block" in str(w.message)
+               for w in caught)
+    assert same_state(model, ref)
+    handle.restore()
+    x = torch.randn(3, D)
+    assert torch.equal(model(x), ref(x)) and same_state(model, ref)
+
 def test_state_that_does_not_fit_the_budget_is_refused_with_the_budget_it_needs():
     ref = chain(KVBlock)
     model, handle = streamed(ref, 2, headroom=0)

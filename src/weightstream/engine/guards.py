@@ -118,7 +118,8 @@ class ModelGuards:
             for name in (*_PATCHES, "_ws_guards"):
                 module.__dict__.pop(name, None)
         for p in self.grads:
-            p.requires_grad_(True)
+            with torch.inference_mode(p.is_inference()):  # torch allows this for an inference tensor there
+                p.requires_grad_(True)
         for module, training in zip(self.modules, self.training, strict=True):
             module.training = training
 

@@ -33,7 +33,7 @@ def _at(site) -> torch.Tensor | None:
     return table.get(site.name)
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity (`drop` removes this one): the fields hold tensors
 class Watched:
     """One streamed tensor as it was installed: its entry, the object every site holds, its version
     and its storage address."""

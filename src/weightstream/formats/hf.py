@@ -330,6 +330,7 @@ def from_pretrained(
     return model
 
 
+@torch.inference_mode(False)  # the engine's tensors need version counters, even when offloaded in one
 def load_into_place(model: nn.Module, folder: Path, config: OffloadConfig, host_bytes: int | None,
                     cache_dir: str | os.PathLike | None, progress: bool) -> OffloadHandle:
     """Read the checkpoint in `folder` straight into the final places of `model` (built with its

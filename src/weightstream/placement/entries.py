@@ -29,7 +29,7 @@ class TensorSite:
         return self.is_param or self.name not in self.module._non_persistent_buffers_set
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: the fields hold tensors
 class Entry:
     """One distinct tensor (tied copies share one entry) and every site that refers to it."""
 
@@ -94,10 +94,10 @@ class Entry:
 def _collect(model: nn.Module, blocks: list[nn.Module], keep: frozenset[str] = frozenset()) -> list[Entry]:
     """Every distinct parameter and buffer of the model, with its sites and owning block (none for a
     tensor whose qualified name is in `keep`: it stays resident)."""
-    block_of: dict[int, int] = {}
-    for i, block in enumerate(blocks):
+    block_of: dict[int, int | None] = {}  # None: a module held by two blocks (one object registered
+    for i, block in enumerate(blocks):  # in both, or the same block twice): its tensors stay resident
         for module in block.modules():
-            block_of[id(module)] = i
+            block_of[id(module)] = i if block_of.get(id(module), i) == i else None
     entries: dict[int, Entry] = {}
     for module_name, module in model.named_modules():
         owner = block_of.get(id(module))
@@ -122,10 +122,12 @@ def _collect(model: nn.Module, blocks: list[nn.Module], keep: frozenset[str] = f
 def _set_tensor(entry: Entry, value: torch.Tensor) -> None:
     """Point every site of `entry` at `value` (parameters keep their identity, except meta ones, which
     are replaced at every site by one new parameter, as are wrapper subclasses: their inner tensors
-    are Python attributes, which `.data =` would not move)."""
+    are Python attributes, which `.data =` would not move; and inference tensors, made under
+    torch.inference_mode, which keep no version counter for the engine to watch)."""
     if entry.flat is not None and value is entry.tensor:
         return
-    if isinstance(entry.tensor, nn.Parameter) and not entry.tensor.is_meta and entry.flat is None:
+    if (isinstance(entry.tensor, nn.Parameter) and not entry.tensor.is_meta and entry.flat is None
+            and not (entry.tensor.is_inference() and not value.is_inference())):
         entry.tensor.data = value
         return
     if isinstance(entry.tensor, nn.Parameter):
