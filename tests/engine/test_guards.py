@@ -13,6 +13,8 @@ import pickle
 import pytest
 import torch
 from conftest import hf_config, make_model, state_copy, weight_bytes
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
 import weightstream as ws
@@ -167,6 +169,47 @@ def test_a_disk_tier_state_dict_reads_the_true_weights_from_the_files(tmp_path):
     assert_same_tensors(model.state_dict(), state_copy(ref))
     assert_same_tensors(dict(model.named_parameters()), dict(ref.named_parameters()))
 
+
+
+@settings(max_examples=16, deadline=None)
+@given(strategy=st.sampled_from(["stream", "uva"]), compress=st.booleans(),
+       via=st.sampled_from(["parameters", "state_dict"]),
+       picks=st.sets(st.integers(0, 40), min_size=1, max_size=4))
+def test_a_write_through_the_tensors_parameters_or_state_dict_gave_acts_as_on_the_resident_model_or_raises(
+        strategy, compress, via, picks):
+    """A resident model's parameters() and state_dict() values are its weights: writing them in place
+    edits the model. Offloaded, a raw streamed or zero-copy tensor's value is a view of its host bytes:
+    the write reaches them and the next forward refills the slots from them (it read the stale slot
+    once). A compressed group's value is a decoded copy: the write cannot reach the weights, and the
+    next forward says so and leaves the weights as they were."""
+    from weightstream.errors import OffloadStateError
+
+    ref = make_model("llama", dtype=torch.bfloat16)  # bf16: what the codec compresses
+    model = copy.deepcopy(ref)
+    compress = compress and strategy == "stream"
+    handle = ws.offload(model, gpu_memory=int(weight_bytes(model) * 0.75), device="cpu", strategy=strategy,
+                        compress=compress)
+    engine = handle.engine
+    coded = {e.name for g, group in enumerate(engine.groups) if engine.wire[g] is not None for e, _ in group}
+    assert bool(coded) == compress
+    with torch.no_grad():
+        model(ids_for())  # the slots hold the last groups, and the next forward's first ones
+        mine = model.named_parameters() if via == "parameters" else model.state_dict().items()
+        theirs = ref.parameters() if via == "parameters" else ref.state_dict().values()
+        pairs = list(zip(mine, theirs, strict=True))
+        picked = [pairs[i % len(pairs)] for i in sorted(picks)]
+        for (_, t), _ in picked:
+            t.mul_(0.5)
+        if any(name in coded for (name, _), _ in picked):
+            with pytest.raises(OffloadStateError, match="was a copy and the write never reached"):
+                model(ids_for(1))
+            assert torch.equal(model(ids_for(1)).logits, ref(ids_for(1)).logits)  # as they were
+            return
+        for _, r in picked:
+            r.mul_(0.5)
+        for seed in (1, 2):
+            assert torch.equal(model(ids_for(seed)).logits, ref(ids_for(seed)).logits)
+    assert_same_tensors(model.state_dict(), state_copy(ref))
 
 # --- refused: what would copy or overwrite the slots -------------------------------------------------
 

@@ -53,6 +53,7 @@ class StreamEngine:
         self.groups = prep.groups
         self.uva_groups = prep.uva_groups
         self.arena = arena
+        self.arena_version = arena.buffer._version  # moves when a tensor parameters() gave is written
         self.slots = slots
         self.slot_storages = {s.untyped_storage().data_ptr() for s in slots}
         self.schedule = Schedule(len(prep.groups), prep.placement.n_slots)
@@ -169,6 +170,19 @@ class StreamEngine:
         mode), else for `group`'s. A rebinding is adopted; an in-place write landed in whichever group
         the slot held, so it is discarded (the slots are refilled) and refused with an error."""
         full = self.check or self.schedule.pass_start in (None, group)
+        if full and self.arena.buffer._version != self.arena_version:
+            # the host copy was written through a tensor parameters() or state_dict() gave (a view of it,
+            # as a resident model's are of its weights): refill the slots from it
+            self.arena_version = self.arena.buffer._version
+            self._invalidate()
+        lost = self.guards.lost_writes() if full and self.guards is not None else []
+        if lost:
+            self._invalidate()
+            raise OffloadStateError(
+                f"{lost[0]} was written in place through the tensor parameters() or state_dict() gave for "
+                "it while offloaded; its group is compressed or read from disk, so that tensor was a copy "
+                "and the write never reached the weights (they are as they were). To edit weights, do it "
+                "inside `with handle.edit():` or before offload()")
         written = self._adopt_rebound(self.watch.all_changes() if full
                                       else [(group, w, c) for w, c in self.watch.changes(group)])
         merged = [m for m, n in self.peft.items() if len(m.merged_adapters) != n] if full else []

@@ -22,6 +22,7 @@ torch.compile(fullgraph=True) and CUDA graphs see what they saw before.
 from __future__ import annotations
 
 import types
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -42,6 +43,7 @@ class ModelGuards:
         self.grads = [p for p in model.parameters() if p.requires_grad]
         self._true = self._true_tensors()
         self._decoded: tuple[int | None, torch.Tensor | None] = (None, None)  # the last decoded group
+        self._copies: list[tuple[weakref.ref, int, str]] = []  # copies handed out: (tensor, version, name)
         self._hooks = []
         for p in self.grads:
             p.requires_grad_(False)
@@ -84,14 +86,36 @@ class ModelGuards:
             for stored, s in transfer.disk.groups[g]:  # one stored tensor, or the pieces of a fused one
                 if sl.offset <= s.offset < sl.offset + sl.nbytes:
                     read_into(stored, raw[s.offset - sl.offset : s.offset - sl.offset + s.nbytes])
-            return entry.view_of(raw)
+            return self._copy(entry, raw)
         wire = self.engine.wire
         if g < len(wire) and wire[g] is not None:  # compressed in the arena: decode the group
             if self._decoded[0] != g:
                 self._decoded = (g, transfer.raw_group(g).cpu())
-            raw = self._decoded[1][sl.offset : sl.offset + sl.nbytes].clone()
-            return entry.view_of(raw)
+            return self._copy(entry, self._decoded[1][sl.offset : sl.offset + sl.nbytes].clone())
         return entry.view_of(self.engine.arena.region(g)[sl.offset : sl.offset + sl.nbytes])
+
+    def _copy(self, entry, raw: torch.Tensor) -> torch.Tensor:
+        """`entry` as a copy of its true bytes `raw`, remembered so that a write to it (which the weights
+        never see) is refused at the next forward (`lost_writes`)."""
+        value = entry.view_of(raw)
+        if entry.flat is None:
+            if len(self._copies) > 4096:
+                self._copies = [c for c in self._copies if c[0]() is not None]
+            self._copies.append((weakref.ref(value), value._version, entry.name))
+        return value
+
+    def lost_writes(self) -> list[str]:
+        """Names of the tensors whose copies (`_copy`) were written in place since handed out (each
+        reported once); copies no longer referenced are forgotten."""
+        lost, kept = [], []
+        for ref, version, name in self._copies:
+            value = ref()
+            if value is not None and value._version != version:
+                lost.append(name)
+            elif value is not None:
+                kept.append((ref, version, name))
+        self._copies = kept
+        return lost
 
     def forget(self, tensor: torch.Tensor) -> None:
         """`tensor` no longer streams (the model writes it, or rebound it): it is its own true value."""
