@@ -326,6 +326,66 @@ def test_inference_mode_while_building_or_offloading_keeps_outputs_and_write_che
     with torch.inference_mode():
         assert torch.equal(model(x), ref(x))
 
+
+class Laid(nn.Module):
+    """A block whose weights are laid out in another order than rows (a transposed weight, a
+    channels_last convolution, a permuted 3-D tensor); records the strides its forward sees."""
+
+    def __init__(self, layout: str) -> None:
+        super().__init__()
+        self.layout, self.seen = layout, []
+        if layout == "transposed":
+            self.w = nn.Parameter(torch.randn(16, 16).t() / 4)
+        elif layout == "channels_last":
+            self.w = nn.Parameter(torch.randn(4, 4, 3, 3).contiguous(memory_format=torch.channels_last) / 4)
+        else:  # permuted
+            self.w = nn.Parameter(torch.randn(4, 16, 4).permute(2, 0, 1) / 4)
+        self.b = nn.Parameter(torch.randn(16))
+
+    def forward(self, x):
+        self.seen.append(self.w.stride())
+        if self.layout == "channels_last":
+            y = nn.functional.conv2d(x.view(-1, 4, 2, 2), self.w, padding=1).reshape(x.shape)
+        else:
+            y = x @ self.w.reshape(16, 16)
+        return torch.tanh(y + self.b) + x
+
+
+@settings(max_examples=12, deadline=None)
+@given(layouts=st.lists(st.sampled_from(["transposed", "channels_last", "permuted"]), min_size=4, max_size=4),
+       strategy=st.sampled_from(["stream", "uva"]))
+def test_weights_laid_out_in_another_order_keep_their_strides_offloaded_and_restored(layouts, strategy):
+    """Kernels choose their paths, and so their bits, by layout: a weight placed as rows (it was) gave
+    other bits than the resident transposed or channels_last one, also after restore()."""
+    torch.manual_seed(0)
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleList(Laid(kind) for kind in layouts)
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    ref = Net().eval().requires_grad_(False)
+    model = copy.deepcopy(ref)
+    try:  # every block off the GPU
+        handle = ws.offload(model, gpu_memory=0, device="cpu", strategy=strategy)
+    except ws.BudgetError as e:  # streaming needs a slot
+        handle = ws.offload(model, gpu_memory=e.minimum_bytes, device="cpu", strategy=strategy)
+    assert len(handle.placement.streamed) + len(handle.placement.uva) == 4
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(model(x), ref(x))
+        assert [m.seen for m in model.layers] == [r.seen for r in ref.layers]
+        assert [p.stride() for p in model.parameters()] == [p.stride() for p in ref.parameters()]
+        handle.restore()
+        assert torch.equal(model(x), ref(x))
+    assert [p.stride() for p in model.parameters()] == [p.stride() for p in ref.parameters()]
+
 def test_two_offloaded_models_in_one_process_are_independent():
     ref_a, a = toy_twin(0)
     ref_b, b = toy_twin(1)

@@ -326,6 +326,7 @@ def install(prep, regions: list[torch.Tensor]) -> ExpertCaches | None:
         for entry, sl in group:
             module = entry.sites[0].module
             if not (is_experts(module) and isinstance(entry.tensor, nn.Parameter) and entry.flat is None
+                    and entry.stride is None  # rows of experts: the layout in rows
                     and len(entry.sites) == 1 and entry.shape[0] == module.num_experts):
                 break
             modules.setdefault(id(module), (module, []))[1].append(

@@ -45,19 +45,30 @@ class Entry:
         self.flat = kinds.check(self.tensor, self.name or "a tensor")
         self.nbytes = self.flat.nbytes if self.flat else self.tensor.numel() * self.tensor.element_size()
         self.bf16_bytes = kinds.bf16_bytes(self.tensor, self.nbytes)  # what a bf16 GEMM would read
+        # a dense tensor laid out in another order (a transposed weight, channels_last) keeps its strides
+        # where it is placed, since kernels choose their paths, and so their bits, by layout; None: rows
+        t = self.tensor
+        self.stride = (None if self.flat or t.is_contiguous() or not _dense(t) else tuple(t.stride()))
 
     def view_of(self, raw: torch.Tensor) -> torch.Tensor:
         """View `raw` (uint8 bytes of exactly this tensor) as this tensor: its dtype and shape, or its
         subclass rebuilt over views of `raw`."""
         if self.flat:
             return self.flat.view_of(raw)
-        return kinds.with_class_of(self.tensor, raw.view(self.dtype).view(self.shape))
+        values = raw.view(self.dtype)
+        if self.stride is None:
+            return kinds.with_class_of(self.tensor, values.view(self.shape))
+        return kinds.with_class_of(self.tensor, values.as_strided(self.shape, self.stride))
 
     def empty(self, device: torch.device) -> torch.Tensor:
         """A new uninitialized tensor like this one on `device`."""
         if self.flat:
             return self.flat.empty(device)
-        return kinds.with_class_of(self.tensor, torch.empty(self.shape, dtype=self.dtype, device=device))
+        shape, dtype = self.shape, self.dtype
+        if self.stride is not None:
+            return kinds.with_class_of(self.tensor, torch.empty_strided(shape, self.stride, dtype=dtype,
+                                                                        device=device))
+        return kinds.with_class_of(self.tensor, torch.empty(shape, dtype=dtype, device=device))
 
     def own(self) -> torch.Tensor:
         """This tensor as its own final place (it stays where it is)."""
@@ -89,6 +100,16 @@ class Entry:
         place = self.empty(device)
         self.copy_to(place)
         return place
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether `t`'s elements fill exactly `numel` consecutive places of its storage (any order)."""
+    expected = 1
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape, strict=True) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def _collect(model: nn.Module, blocks: list[nn.Module], keep: frozenset[str] = frozenset()) -> list[Entry]:
