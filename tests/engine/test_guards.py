@@ -200,15 +200,42 @@ def test_a_write_through_the_tensors_parameters_or_state_dict_gave_acts_as_on_th
         picked = [pairs[i % len(pairs)] for i in sorted(picks)]
         for (_, t), _ in picked:
             t.mul_(0.5)
+        for (name, _), r in picked:
+            if name not in coded:  # reached the weights, as on the reference
+                r.mul_(0.5)
         if any(name in coded for (name, _), _ in picked):
             with pytest.raises(OffloadStateError, match="was a copy and the write never reached"):
                 model(ids_for(1))
-            assert torch.equal(model(ids_for(1)).logits, ref(ids_for(1)).logits)  # as they were
-            return
-        for _, r in picked:
-            r.mul_(0.5)
         for seed in (1, 2):
             assert torch.equal(model(ids_for(seed)).logits, ref(ids_for(seed)).logits)
+    assert_same_tensors(model.state_dict(), state_copy(ref))
+
+
+@pytest.mark.parametrize("strategy", ["stream", "uva"])
+def test_giving_a_parameter_of_parameters_other_memory_is_refused_and_changes_nothing(strategy):
+    """On a resident model `p.data = other` (vector_to_parameters) replaces the weight; the tensors
+    parameters() gives for weights kept off the GPU are their true bytes, which that would not reach."""
+    from torch.nn.utils import parameters_to_vector, vector_to_parameters
+
+    from weightstream.engine.guards import TrueWeight
+    from weightstream.errors import OffloadStateError
+
+    ref, model, _ = offloaded(strategy=strategy)
+    with pytest.raises(OffloadStateError, match=r"vector_to_parameters does\) would not reach the model"):
+        vector_to_parameters(parameters_to_vector(model.parameters()) * 0.5, model.parameters())
+    refused = 0
+    for p, r in zip(model.parameters(), ref.parameters(), strict=True):  # as far as it got: one by one
+        new = r.data * 0.5
+        if isinstance(p, TrueWeight):
+            with pytest.raises(OffloadStateError, match="would not reach the model"):
+                p.data = new
+            refused += 1
+        else:  # resident: replaced, as on the reference
+            p.data = new
+            r.data = new.clone()
+    assert refused == len([e for g in (*_.engine.groups, *_.engine.uva_groups) for e, _s in g])
+    with torch.no_grad():
+        assert torch.equal(model(ids_for()).logits, ref(ids_for()).logits)
     assert_same_tensors(model.state_dict(), state_copy(ref))
 
 # --- refused: what would copy or overwrite the slots -------------------------------------------------

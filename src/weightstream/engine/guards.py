@@ -104,6 +104,17 @@ class ModelGuards:
             self._copies.append((weakref.ref(value), value._version, entry.name))
         return value
 
+    def wrapped(self, value: torch.Tensor) -> TrueWeight:
+        """`value` (from `true_value`) as the parameter parameters() gives; a copy's record (`_copy`)
+        then watches the parameter, whose writes do not move the copy's version."""
+        param = TrueWeight(value, requires_grad=False)
+        for i in range(len(self._copies) - 1, -1, -1):
+            ref, _, name = self._copies[i]
+            if ref() is value:
+                self._copies[i] = (weakref.ref(param), param._version, name)
+                break
+        return param
+
     def lost_writes(self) -> list[str]:
         """Names of the tensors whose copies (`_copy`) were written in place since handed out (each
         reported once); copies no longer referenced are forgotten."""
@@ -174,13 +185,28 @@ def _guarded_requires_grad(self, requires_grad: bool = True):
     return self
 
 
+class TrueWeight(nn.Parameter):
+    """What `parameters()` gives for a weight kept off the GPU: its true bytes as a parameter (a view of
+    its host memory, or a copy). Giving it other memory (`p.data = other`, as vector_to_parameters
+    does) is refused: on a resident model that replaces the weight, here it would reach nothing."""
+
+    def __setattr__(self, name, value):
+        if name == "data":
+            raise OffloadStateError(
+                "this parameter was given by parameters() of a model offloaded by weightstream: it holds the "
+                "weight's true bytes, and giving it other memory (`.data = ...`, as "
+                "torch.nn.utils.vector_to_parameters does) would not reach the model. Edit weights in "
+                "place inside `with handle.edit():`, or call handle.restore() first")
+        super().__setattr__(name, value)
+
+
 def _true_members(self, members: Iterator[tuple[str, torch.Tensor]], is_param: bool):
     guards = self.__dict__["_ws_guards"]
     try:
         for name, tensor in members:
             value = guards.true_value(tensor)
             if value is not tensor and is_param:
-                value = nn.Parameter(value, requires_grad=False)
+                value = guards.wrapped(value)
             yield name, value
     finally:  # the walk ended (or was dropped): no decoded group stays on the host
         guards.forget_decoded()
