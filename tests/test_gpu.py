@@ -362,3 +362,50 @@ def test_gpu_memory_auto_on_a_real_gpu_is_free_memory_minus_the_headroom_and_exa
         assert torch.equal(model(ids).logits, expected)
     assert handle.stats.streamed_bytes == 0
     handle.restore()
+
+
+class _ConvBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(32, 32, 3, padding=1)
+        self.lin = torch.nn.Parameter(torch.randn(32, 32).t() / 6)  # a transposed weight
+
+    def forward(self, x):
+        y = torch.tanh(self.conv(x))
+        return x + torch.einsum("bchw,cd->bdhw", y, self.lin)
+
+
+class _ConvNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(_ConvBlock() for _ in range(4))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+@pytest.mark.parametrize("strategy", ["stream", "uva"])
+def test_channels_last_and_transposed_weights_keep_their_layout_and_bits_on_the_gpu(strategy):
+    """cuDNN and cuBLAS choose kernels by layout: weights placed as rows gave other bits than the
+    resident channels_last convolutions and transposed matrices. Eager and from a CUDA graph."""
+    torch.manual_seed(0)
+    ref = _ConvNet().to("cuda", memory_format=torch.channels_last).eval().requires_grad_(False)
+    model = copy.deepcopy(ref)
+    before = torch.cuda.memory_allocated()
+    try:
+        handle = ws.offload(model, gpu_memory=0, strategy=strategy)
+    except ws.BudgetError as e:
+        handle = ws.offload(model, gpu_memory=e.minimum_bytes, strategy=strategy)
+    assert len(handle.placement.streamed) + len(handle.placement.uva) == 4
+    assert torch.cuda.memory_allocated() < before  # the blocks' weights left the GPU
+    x = torch.randn(2, 32, 16, 16, device="cuda").contiguous(memory_format=torch.channels_last)
+    with torch.no_grad():
+        want = ref(x)
+        assert torch.equal(model(x), want)
+        assert [p.stride() for p in model.parameters()] == [p.stride() for p in ref.parameters()]
+        replay = capture_graph(model, x)
+        assert torch.equal(replay(), want)
+    handle.restore()
+    assert [p.stride() for p in model.parameters()] == [p.stride() for p in ref.parameters()]
