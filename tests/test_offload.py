@@ -386,6 +386,37 @@ def test_weights_laid_out_in_another_order_keep_their_strides_offloaded_and_rest
         assert torch.equal(model(x), ref(x))
     assert [p.stride() for p in model.parameters()] == [p.stride() for p in ref.parameters()]
 
+
+@settings(max_examples=15, deadline=None)
+@given(picks=st.sets(st.integers(0, 11), min_size=1, max_size=4), own=st.booleans(), calls=st.integers(1, 3))
+def test_functional_call_swaps_weights_for_one_call_and_the_model_streams_as_before(picks, own, calls):
+    """torch.func.functional_call binds other tensors for one call and puts the originals back: the
+    engine adopts what is bound during the call, then streams the originals again (it kept the
+    swapped-in tensors, so state_dict() and restore() gave staging bytes)."""
+    from torch.func import functional_call
+
+    ref, model = toy_twin()
+    handle = toy_streaming_all(model)
+    streamed = [len(group) for group in handle.engine.groups]
+    names = [n for n, _ in ref.named_parameters() if n.startswith("layers.")]
+    chosen = [names[i % len(names)] for i in sorted(picks)]
+    gen = torch.Generator().manual_seed(len(chosen))
+    given = dict(model.named_parameters()) if own else {}
+    swap = {n: given[n] if own else torch.randn(ref.get_parameter(n).shape, generator=gen) for n in chosen}
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        for _ in range(calls):
+            assert torch.equal(functional_call(model, swap, (x,)), functional_call(ref, swap, (x,)))
+            assert torch.equal(model(x), ref(x))
+    assert sorted(handle.engine.names) == sorted(f"layers.{i}" for i in range(6))
+    assert [len(group) for group in handle.engine.groups] == streamed  # every weight streams again
+    assert state_copy(model).keys() == state_copy(ref).keys()
+    assert all(torch.equal(a, b) for a, b in zip(state_copy(model).values(), state_copy(ref).values(),
+                                                 strict=True))
+    handle.restore()
+    with torch.no_grad():
+        assert torch.equal(model(x), ref(x))
+
 def test_two_offloaded_models_in_one_process_are_independent():
     ref_a, a = toy_twin(0)
     ref_b, b = toy_twin(1)

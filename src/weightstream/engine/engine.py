@@ -25,7 +25,7 @@ from ..wire.groups import make_transfer
 from . import ops, replay
 from .host import HostArena
 from .schedule import Schedule
-from .watch import REBOUND, TensorWatch, Watched, peft_layers
+from .watch import REBOUND, TensorWatch, Watched, holds_again, peft_layers
 
 if TYPE_CHECKING:
     from ..placement.prepare import Prepared
@@ -69,6 +69,9 @@ class StreamEngine:
         self.state_bytes = 0  # bytes of streamed tensors the model writes, kept resident since
         self.state_names: list[str] = []  # their names (edit() keeps them resident when it offloads again)
         self.watch = TensorWatch(prep.groups)
+        # streamed tensors the model rebound, adopted: (group, record, slice); one bound again (as
+        # torch.func.functional_call puts the originals back) streams again (`_restream_returned`)
+        self.rebound: list[tuple[int, Watched, object]] = []
         self.peft = peft_layers(prep.model, {id(e.tensor) for group in prep.groups for e, _ in group})
         self.check = check
         self.guards = None
@@ -170,6 +173,8 @@ class StreamEngine:
         mode), else for `group`'s. A rebinding is adopted; an in-place write landed in whichever group
         the slot held, so it is discarded (the slots are refilled) and refused with an error."""
         full = self.check or self.schedule.pass_start in (None, group)
+        if full:
+            self._restream_returned()
         if full and self.arena.buffer._version != self.arena_version:
             # the host copy was written through a tensor parameters() or state_dict() gave (a view of it,
             # as a resident model's are of its weights): refill the slots from it
@@ -213,6 +218,8 @@ class StreamEngine:
         """Stop streaming `w`'s entry: it becomes resident at `value` (None: at what the model bound in
         its place). Its bytes stay in the group's layout, unread."""
         entry = w.entry
+        if value is None:  # rebound: adopted, unless the model binds this tensor again
+            self.rebound.extend((group, w, sl) for e, sl in self.groups[group] if e is entry)
         self.groups[group][:] = [(e, sl) for e, sl in self.groups[group] if e is not entry]
         self.watch.drop(group, w)
         self.guards.forget(w.tensor)
@@ -227,7 +234,21 @@ class StreamEngine:
         """Adopt every streamed tensor the model rebound since the last forward (so `state_dict()` and
         `restore()` see what the model holds); return the names of those written in place outside any
         block's forward (their writes went to staging buffers)."""
+        self._restream_returned()
         return [w.entry.name for w in self._adopt_rebound(self.watch.all_changes())]
+
+    def _restream_returned(self) -> None:
+        """Stream again each adopted tensor whose original the model holds again at every site (a
+        temporary swap: torch.func.functional_call, a context manager that puts weights back): its bytes
+        never left the group's layout, so only the records come back."""
+        for item in list(self.rebound):
+            group, w, sl = item
+            if holds_again(w):
+                self.rebound.remove(item)
+                w.entry.tensor = w.tensor
+                self.groups[group].append((w.entry, sl))
+                self.watch.restore(group, w)
+                self.guards.remember_true(w.tensor, (w.entry, group, sl))
 
     def _adopt_rebound(self, found: list[tuple[int, Watched, str]]) -> list[Watched]:
         """Adopt each rebound tensor of `found` ((group, watched, change) triples, as

@@ -128,6 +128,10 @@ class ModelGuards:
         self._copies = kept
         return lost
 
+    def remember_true(self, tensor: torch.Tensor, where: tuple) -> None:
+        """`tensor` streams again, at `where` ((entry, group, slice), as `_true_tensors` gives them)."""
+        self._true[id(tensor)] = where
+
     def forget(self, tensor: torch.Tensor) -> None:
         """`tensor` no longer streams (the model writes it, or rebound it): it is its own true value."""
         self._true.pop(id(tensor), None)

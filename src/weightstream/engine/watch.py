@@ -91,6 +91,16 @@ class TensorWatch:
         """Stop watching `w`: its entry no longer streams."""
         self.groups[group].remove(w)
 
+    def restore(self, group: int, w: Watched) -> None:
+        """Watch `w` again (its entry streams again), from its present version."""
+        w.version = w.tensor._version
+        self.groups[group].append(w)
+
+
+def holds_again(w: Watched) -> bool:
+    """Whether every site of `w`'s entry holds `w`'s own tensor, on its own memory, again."""
+    return all(_at(site) is w.tensor for site in w.entry.sites) and w.tensor.data_ptr() == w.ptr
+
 
 def peft_layers(model: nn.Module, streamed: set[int]) -> dict[nn.Module, int]:
     """PEFT tuner layers (modules with a `merged_adapters` list) whose base layer's weight streams (its id
