@@ -239,7 +239,8 @@ def engine(n_groups: int, n_slots: int, coded: list[bool], n_landing: int):
     engine.lock, engine.owner = threading.Lock(), None
     engine.names = [f"block{g}" for g in range(n_groups)]
     engine.watch, engine.check, engine.peft = TensorWatch([[] for _ in range(n_groups)]), False, {}
-    engine.arena, engine.guards = types.SimpleNamespace(buffer=torch.empty(0)), None
+    engine.arena, engine.guards, engine.refused = types.SimpleNamespace(buffer=torch.empty(0)), None, None
+    engine.rebound = []
     engine.arena_version = engine.arena.buffer._version
     return engine
 

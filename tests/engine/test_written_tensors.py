@@ -169,6 +169,19 @@ def test_state_that_does_not_fit_the_budget_is_refused_with_the_budget_it_needs(
                                           r"offload with gpu_memory >= ") as info:
         model(torch.randn(2, D), torch.arange(2))
     assert info.value.minimum_bytes == handle.placement.gpu_bytes + 8 * D * 4
+    # the write stayed in a slot: every later forward is refused too (it said "written outside" before)
+    with pytest.raises(BudgetError, match=r"an earlier forward .* was refused.*layers\.0\.cache") as again:
+        model(torch.randn(2, D), torch.arange(2))
+    assert again.value.minimum_bytes == info.value.minimum_bytes
+    handle.restore()  # then offloaded again with room for the state: exact
+    ref = copy.deepcopy(model)
+    model, _ = streamed(ref, 2, headroom=4 * 8 * D * 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in range(2):
+            x = torch.randn(2, D)
+            assert torch.equal(model(x, torch.arange(2 * step, 2 * step + 2)),
+                               ref(x, torch.arange(2 * step, 2 * step + 2)))
 
 
 def test_a_model_with_state_compiles_exactly_after_one_eager_forward():

@@ -72,6 +72,7 @@ class StreamEngine:
         # streamed tensors the model rebound, adopted: (group, record, slice); one bound again (as
         # torch.func.functional_call puts the originals back) streams again (`_restream_returned`)
         self.rebound: list[tuple[int, Watched, object]] = []
+        self.refused: BudgetError | None = None  # a state write refused: every later forward is too
         self.peft = peft_layers(prep.model, {id(e.tensor) for group in prep.groups for e, _ in group})
         self.check = check
         self.guards = None
@@ -82,6 +83,11 @@ class StreamEngine:
     # --- the schedule, called from the custom ops -------------------------------------------------
     def wait(self, group: int) -> None:
         """Make group `group`'s weights ready in its slot before its block computes."""
+        if self.refused is not None:  # a state write the budget could not hold: the model is not exact
+            raise BudgetError(
+                f"an earlier forward of this offloaded model was refused, and its blocks' state is not the "
+                f"resident model's since: {self.refused.args[0]}. Call handle.restore() and offload again",
+                self.refused.minimum_bytes)
         self._enter()
         try:
             self.transfer.check_capture()
@@ -152,12 +158,13 @@ class StreamEngine:
                     "captured: weightstream keeps a tensor the model writes resident, which it cannot do "
                     "inside a capture. Run one forward before capturing (it moves the tensor then)")
             if entry.nbytes > left:
-                raise BudgetError(
+                self.refused = BudgetError(
                     f"{entry.name} ({format_size(entry.nbytes)}) is written by block "
                     f"{self.names[group]} in its forward: it is state, not a weight, so it must "
                     f"stay on {self.device}, but the budget has {format_size(max(left, 0))} left: offload "
                     f"with gpu_memory >= {format_size(self.budget - left + entry.nbytes)}",
                     self.budget - left + entry.nbytes)
+                raise self.refused
             self.state_bytes += entry.nbytes
             self.state_names.append(entry.name)
             self._unstream(group, w, w.tensor.detach().clone())
