@@ -417,6 +417,47 @@ def test_functional_call_swaps_weights_for_one_call_and_the_model_streams_as_bef
     with torch.no_grad():
         assert torch.equal(model(x), ref(x))
 
+
+class _Wrap(nn.Module):
+    """A module wrapping a block's own layer where it was (as PEFT's LoRA layers do)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x) * 0.5
+
+
+@pytest.mark.parametrize("what", ["tie a resident weight", "share a submodule", "parametrize"])
+def test_binding_a_streamed_tensor_outside_its_block_after_offload_is_refused_at_once(what):
+    """A streamed tensor is a view of a slot other blocks share: bound elsewhere after offload (weights
+    tied, a block's submodule registered in another block, a parametrization taking it as its
+    `original`) it was read outside its block's forward, silently wrong."""
+    from torch.nn.utils import parametrize
+
+    from weightstream.errors import OffloadStateError
+
+    _, model = toy_twin()
+    toy_streaming_all(model)
+    with pytest.raises(OffloadStateError, match="streams through a staging buffer that other blocks share"):
+        if what == "tie a resident weight":
+            model.inp.weight = model.layers[3].fc.weight
+        elif what == "share a submodule":
+            model.layers[4].fc = model.layers[1].fc
+        else:
+            parametrize.register_parametrization(model.layers[2].fc, "bias", nn.Identity())
+
+
+def test_wrapping_a_layer_where_it_is_after_offload_stays_exact():
+    ref, model = toy_twin()
+    toy_streaming_all(model)
+    for m in (ref, model):
+        m.layers[2].fc = _Wrap(m.layers[2].fc)
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        assert torch.equal(model(x), ref(x))
+
 def test_two_offloaded_models_in_one_process_are_independent():
     ref_a, a = toy_twin(0)
     ref_b, b = toy_twin(1)

@@ -72,6 +72,10 @@ class StreamEngine:
         # streamed tensors the model rebound, adopted: (group, record, slice); one bound again (as
         # torch.func.functional_call puts the originals back) streams again (`_restream_returned`)
         self.rebound: list[tuple[int, Watched, object]] = []
+        # the streamed tensors (views of the staging slots) by id, and the block of each module: a
+        # streamed tensor or a module holding one registered elsewhere is refused (`_on_registered`)
+        self.slot_views = {id(e.tensor): e for group in prep.groups for e, _ in group}
+        self.block_of = {id(m): i for i, block in enumerate(prep.block_modules) for m in block.modules()}
         self.refused: BudgetError | None = None  # a state write refused: every later forward is too
         self.peft = peft_layers(prep.model, {id(e.tensor) for group in prep.groups for e, _ in group})
         self.check = check
@@ -225,6 +229,7 @@ class StreamEngine:
         """Stop streaming `w`'s entry: it becomes resident at `value` (None: at what the model bound in
         its place). Its bytes stay in the group's layout, unread."""
         entry = w.entry
+        self.slot_views.pop(id(w.tensor), None)
         if value is None:  # rebound: adopted, unless the model binds this tensor again
             self.rebound.extend((group, w, sl) for e, sl in self.groups[group] if e is entry)
         self.groups[group][:] = [(e, sl) for e, sl in self.groups[group] if e is not entry]
@@ -256,6 +261,7 @@ class StreamEngine:
                 self.groups[group].append((w.entry, sl))
                 self.watch.restore(group, w)
                 self.guards.remember_true(w.tensor, (w.entry, group, sl))
+                self.slot_views[id(w.tensor)] = w.entry
 
     def _adopt_rebound(self, found: list[tuple[int, Watched, str]]) -> list[Watched]:
         """Adopt each rebound tensor of `found` ((group, watched, change) triples, as
@@ -344,18 +350,57 @@ class StreamEngine:
         for layer, merged in peft_layers(module, streamed).items():
             self.peft.setdefault(layer, merged)
 
+    def check_registered(self, parent: nn.Module, name: str, module: nn.Module) -> None:
+        """`module` is being registered as `parent.<name>` inside the offloaded model: refuse it where it
+        holds a tensor streamed with another block than `parent`'s (it would be read outside that
+        block's forward, from a slot other groups share); else its modules join `parent`'s block."""
+        if parent._modules.get(name) is module:
+            return
+        block = self.block_of.get(id(parent))
+        for sub in module.modules():
+            for tensor in (*sub._parameters.values(), *sub._buffers.values()):
+                entry = self.slot_views.get(id(tensor))
+                if entry is not None and entry.tensor is tensor and entry.owner != block:
+                    raise OffloadStateError(
+                        f"{entry.name} streams through a staging buffer that other blocks share: "
+                        f"registering a module that holds it as {type(parent).__name__}.{name}, outside "
+                        "its own block, would read it there. Share modules before offload(), or inside "
+                        "`with handle.edit():`")
+        if block is not None:
+            for sub in module.modules():
+                self.block_of[id(sub)] = block
+
 
 # The process-wide hooks, installed while any engine is open, in this one place: torch.cuda.CUDAGraph's
 # capture and replay (`replay.py`) and nn.Module's global submodule-registration hook (modules added
 # to an offloaded model are watched: `StreamEngine.adopt_modules`).
-_registration: torch.utils.hooks.RemovableHandle | None = None
+_registration: list[torch.utils.hooks.RemovableHandle] | None = None
 
 
 def _on_module_registered(parent, name: str, module):
     """nn.Module's global registration hook: a submodule set on a module of an offloaded model."""
     guards = parent.__dict__.get("_ws_guards")
     if guards is not None and isinstance(module, nn.Module):
+        guards.engine.check_registered(parent, name, module)
         guards.engine.adopt_modules(module)
+    return None
+
+
+def _on_tensor_registered(module: nn.Module, name: str, tensor):
+    """nn.Module's global parameter and buffer registration hooks: a streamed tensor (a view of a
+    staging slot) may be bound again only where it lives (torch.func.functional_call puts it back);
+    anywhere else (weights tied after offload, a parametrization such as weight_norm taking it as
+    its `original`) it would be read outside its block's forward, so it is refused."""
+    for engine in ops.engines():
+        entry = engine.slot_views.get(id(tensor))
+        if entry is None or entry.tensor is not tensor:
+            continue
+        if not any(site.module is module and site.name == name for site in entry.sites):
+            raise OffloadStateError(
+                f"{entry.name} streams through a staging buffer that other blocks share: registering it "
+                f"as {type(module).__name__}.{name} as well (weights tied after offload, a "
+                "parametrization such as weight_norm) would read it outside its block's forward. Do "
+                "this before offload(), or inside `with handle.edit():`")
     return None
 
 
@@ -363,7 +408,10 @@ def _install_process_hooks() -> None:
     global _registration
     replay.install()
     if _registration is None:
-        _registration = nn.modules.module.register_module_module_registration_hook(_on_module_registered)
+        register = nn.modules.module
+        _registration = [register.register_module_module_registration_hook(_on_module_registered),
+                         register.register_module_parameter_registration_hook(_on_tensor_registered),
+                         register.register_module_buffer_registration_hook(_on_tensor_registered)]
 
 
 def _take_off_process_hooks() -> None:
@@ -376,7 +424,8 @@ def _take_off_process_hooks() -> None:
     if not ops.engines():
         replay.uninstall()
         if _registration is not None and torch._guards.TracingContext.try_get() is None:
-            _registration.remove()
+            for hook in _registration:
+                hook.remove()
             _registration = None
 
 
