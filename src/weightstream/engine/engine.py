@@ -381,7 +381,8 @@ def _on_module_registered(parent, name: str, module):
     """nn.Module's global registration hook: a submodule set on a module of an offloaded model."""
     guards = parent.__dict__.get("_ws_guards")
     if guards is not None and isinstance(module, nn.Module):
-        guards.engine.check_registered(parent, name, module)
+        if not torch.compiler.is_compiling():
+            guards.engine.check_registered(parent, name, module)
         guards.engine.adopt_modules(module)
     return None
 
@@ -391,8 +392,10 @@ def _on_tensor_registered(module: nn.Module, name: str, tensor):
     staging slot) may be bound again only where it lives (torch.func.functional_call puts it back);
     anywhere else (weights tied after offload, a parametrization such as weight_norm taking it as
     its `original`) it would be read outside its block's forward, so it is refused."""
+    if torch.compiler.is_compiling():  # a compiled block rebinding its own buffer: nothing to check
+        return None
     for engine in ops.engines():
-        entry = engine.slot_views.get(id(tensor))
+        entry = getattr(engine, "slot_views", {}).get(id(tensor))  # other engines keep no slot views
         if entry is None or entry.tensor is not tensor:
             continue
         if not any(site.module is module and site.name == name for site in entry.sites):
