@@ -42,6 +42,33 @@ def test_loaded_model_equals_transformers_own_load(tmp_path, arch, fraction, str
     assert torch.equal(model.generate(ids_for(1, 1), **kwargs), reference.generate(ids_for(1, 1), **kwargs))
 
 
+
+@pytest.mark.parametrize("draft", [None, "prompt-lookup"])
+def test_the_generation_config_is_read_as_transformers_reads_it(tmp_path, draft):
+    """generation_config.json holds an instruct model's extra stop tokens and its defaults: built from
+    config.json alone, the offloaded model generated past them (model.generate and ws.generate)."""
+    from transformers import GenerationConfig
+
+    lm = make_model("llama")
+    ids = ids_for(2, 1, 5)
+    first = lm.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)[0, 5:]
+    stop = int(first[3])  # a token greedy decoding reaches: generation must end there
+    lm.generation_config = GenerationConfig(eos_token_id=[2, stop], pad_token_id=0, repetition_penalty=1.3)
+    lm.save_pretrained(tmp_path)
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    model = ws.from_pretrained(tmp_path, gpu_memory=int(weight_bytes(reference) * 0.4), device="cpu",
+                               progress=False)
+    assert model.generation_config.to_dict() == reference.generation_config.to_dict()
+    want = reference.generate(ids, max_new_tokens=12)
+    assert int(want[0, -1]) in (2, stop) and want.shape[1] < 5 + 12  # it stopped at a stop token
+    assert torch.equal(model.generate(ids, max_new_tokens=12), want)
+    if draft is not None:
+        def speculative(m):
+            return ws.generate(m, ids, max_new_tokens=12, draft=draft, progress=False).new_tokens
+
+        assert torch.equal(speculative(model), speculative(reference))
+
+
 def test_dtype_conversion_matches_transformers(tmp_path):
     folder = save(make_model("llama"), tmp_path)
     reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()

@@ -161,7 +161,23 @@ def build_model(folder: Path, dtype: torch.dtype | str | None, on_meta: bool = F
         raise CheckpointError(f"{folder}: cannot build {cls.__name__} for model_type {config.model_type!r} "
                               f"({first}); weightstream loads {SUPPORTED}") from None
     _quantized_layers(model, config, folder)
+    _generation_config(model, folder)
     return model.eval().requires_grad_(False)
+
+
+def _generation_config(model: nn.Module, folder: Path) -> None:
+    """Read the folder's generation_config.json as transformers' own load does (its stop tokens, such
+    as an instruct model's end of turn, and its other defaults); built from config.json alone, the
+    model would generate past them."""
+    can_generate = getattr(model, "can_generate", lambda: False)()
+    if not can_generate or not (folder / "generation_config.json").is_file():
+        return
+    from transformers import GenerationConfig
+
+    try:
+        model.generation_config = GenerationConfig.from_pretrained(folder)
+    except (OSError, ValueError) as err:
+        raise CheckpointError(f"{folder}/generation_config.json cannot be read: {str(err)[:200]}") from None
 
 
 def _quantized_layers(model: nn.Module, config, folder: Path) -> None:
