@@ -243,6 +243,10 @@ class OffloadHandle:
         or captured forwards must be compiled or captured again. Where the block raises, the model
         stays restored on the CPU (this handle is then restored). Yields the model.
         """
+        if self.__dict__.get("_editing"):
+            raise OffloadStateError(
+                "edit() inside edit(): edits cannot be nested. Inside the outer `with handle.edit():` every "
+                "weight is already a plain CPU tensor: edit it there")
         if self.restored:
             raise OffloadStateError("this handle was restored: offload the model again to edit it offloaded")
         if self.config is None:
@@ -253,7 +257,11 @@ class OffloadHandle:
             keep_resident=tuple(dict.fromkeys((*self.config.keep_resident, *self.engine.state_names))))
         config = asked
         self.restore("cpu")
-        yield self.model
+        self._editing = True
+        try:
+            yield self.model
+        finally:
+            self._editing = False
         empty = Placement((), 0, 0, 0, 0)
         cost = prepare(self.model, config.replace(gpu_memory=0, placement=empty), predict_wire=False).cost
         old = self._cost

@@ -638,3 +638,14 @@ def test_a_peft_adapter_added_to_an_offloaded_llm_runs_exactly_and_merges_inside
     assert torch.equal(model(ids).logits, ref(ids).logits)
     handle.restore()
     assert same_state(model, ref)
+
+
+def test_an_edit_inside_an_edit_is_refused_saying_so():
+    ref = linear_chain()
+    model, handle = streamed(ref, 1)
+    with pytest.raises(OffloadStateError, match="edits cannot be nested"):
+        with handle.edit():
+            with handle.edit():
+                pass
+    x = torch.randn(3, D)
+    assert torch.equal(model(x), ref(x))  # the outer edit raised: the model stays restored, as documented
