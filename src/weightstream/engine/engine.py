@@ -73,7 +73,8 @@ class StreamEngine:
         # torch.func.functional_call puts the originals back) streams again (`_restream_returned`)
         self.rebound: list[tuple[int, Watched, object]] = []
         # the streamed tensors (views of the staging slots) by id, and the block of each module: a
-        # streamed tensor or a module holding one registered elsewhere is refused (`_on_registered`)
+        # streamed tensor or a module holding one registered elsewhere is refused (`check_registered`,
+        # `_on_tensor_registered`)
         self.slot_views = {id(e.tensor): e for group in prep.groups for e, _ in group}
         self.block_of = {id(m): i for i, block in enumerate(prep.block_modules) for m in block.modules()}
         self.refused: BudgetError | None = None  # a state write refused: every later forward is too
