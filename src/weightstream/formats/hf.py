@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -408,10 +409,14 @@ def _disk_tier(prep, pairs, on_disk: frozenset[int], folder: Path) -> DiskTier:
         for entry, sl in prep.groups[g]:
             source = source_of[id(entry)]
             if source.dtype != entry.dtype:
+                usual = max(Counter(e.dtype for e in prep.entries).items(), key=lambda kv: kv[1])[0]
+                why = (f"load with dtype={str(source.dtype).removeprefix('torch.')!r}" if entry.dtype == usual
+                       else f"the model class keeps it in {entry.dtype} whatever dtype is asked (as "
+                       "transformers' _keep_in_fp32_modules do)")
                 raise CheckpointError(
-                    f"{folder}: the disk tier streams tensors as stored ({source.dtype}) but the model "
-                    f"asks for {entry.dtype}: load with dtype={str(source.dtype).removeprefix('torch.')!r} "
-                    "or give cpu_memory enough for every streamed group"
+                    f"{folder}: the disk tier streams tensors as stored, and {entry.name} is stored in "
+                    f"{source.dtype} where the model holds it in {entry.dtype}: {why}; or give cpu_memory "
+                    "enough for every streamed group (no group then reads from disk)"
                 )
             regions = source.regions(entry.dtype.itemsize)
             if regions is None:
