@@ -165,3 +165,18 @@ def test_no_draft_decodes_one_token_per_pass():
     out = ws.generate(model, ids, 6, draft=None, eos_token_id=[])
     assert out.stats.tree_tokens == 1 and out.stats.accepted == (0,) * 5
     assert torch.equal(out.tokens, plain_greedy(model, ids, 6))
+
+
+@pytest.mark.parametrize("form", ["int", "list", "0-d tensor", "1-d tensor"])
+def test_the_stop_token_is_taken_in_every_form_transformers_takes(form):
+    """eos_token_id as an int, a list, or a tensor (a 0-d tensor raised a TypeError): generation ends
+    at the first token greedy decoding reaches that is a stop token."""
+    ref = make_model("llama")
+    ids = repetitive_prompt(3)
+    free = ws.generate(ref, ids, 8, draft="prompt-lookup", eos_token_id=[], progress=False).new_tokens
+    stop = int(free[2])
+    given = {"int": stop, "list": [stop], "0-d tensor": torch.tensor(stop),
+             "1-d tensor": torch.tensor([stop])}[form]
+    out = ws.generate(ref, ids, 8, draft="prompt-lookup", eos_token_id=given, progress=False).new_tokens
+    first = free.tolist().index(stop)
+    assert torch.equal(out, free[: first + 1])

@@ -139,6 +139,8 @@ def _eos_ids(model, eos_token_id) -> set[int]:
         eos_token_id = getattr(config, "eos_token_id", None)
     if eos_token_id is None:
         return set()
+    if isinstance(eos_token_id, torch.Tensor):  # as transformers accepts it: a 0-d or 1-d tensor
+        eos_token_id = eos_token_id.reshape(-1).tolist()
     return {int(t) for t in ([eos_token_id] if isinstance(eos_token_id, int) else eos_token_id)}
 
 
@@ -186,7 +188,7 @@ def generate(
     top_k: int | None = None,
     top_p: float | None = None,
     generator: torch.Generator | None = None,
-    eos_token_id: int | list[int] | None = None,
+    eos_token_id: int | list[int] | torch.Tensor | None = None,
     compile: bool | str = False,
     cache_memory: int | str | None = None,
     output_logits: bool = False,
