@@ -180,3 +180,28 @@ def test_the_stop_token_is_taken_in_every_form_transformers_takes(form):
     out = ws.generate(ref, ids, 8, draft="prompt-lookup", eos_token_id=given, progress=False).new_tokens
     first = free.tolist().index(stop)
     assert torch.equal(out, free[: first + 1])
+
+
+def test_a_model_whose_forward_fails_over_the_static_cache_is_named_in_a_clear_error(monkeypatch):
+    """transformers' DeepSeek-V2 fails inside its attention over a static cache and a 4-D mask, with a
+    bare shape error; generate says which model failed, with what, and what to use instead. The
+    library's own errors pass through as they are."""
+    from weightstream.errors import ArgumentError, OffloadStateError
+
+    ref = make_model("llama")
+    ids = repetitive_prompt(1)
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("The size of tensor a (4) must match the size of tensor b (8)")
+
+    monkeypatch.setattr(ref.model, "forward", fails)
+    with pytest.raises(ArgumentError, match=r"LlamaForCausalLM's forward failed over the static KV cache.*"
+                                            r"size of tensor a \(4\).*model\.generate"):
+        ws.generate(ref, ids, 4, progress=False)
+
+    def refused(*args, **kwargs):
+        raise OffloadStateError("written outside")
+
+    monkeypatch.setattr(ref.model, "forward", refused)
+    with pytest.raises(OffloadStateError, match="written outside"):
+        ws.generate(ref, ids, 4, progress=False)

@@ -18,6 +18,7 @@ import inspect
 import torch
 from torch import nn
 
+from ..errors import ArgumentError, WeightstreamError
 from .cache import TreeCache
 from .checks import attention_masks
 from .tree import causal_mask, sliding_mask
@@ -110,5 +111,14 @@ class TreeForward:
         """Logits of `tokens` (count,) written at [start, start + count) with a causal mask, eagerly."""
         count = tokens.numel()
         positions = torch.arange(count) + start
-        return self.run(tokens, positions, positions, causal_mask(start, count, self.cache.length),
-                        compiled=False)
+        try:
+            return self.run(tokens, positions, positions, causal_mask(start, count, self.cache.length),
+                            compiled=False)
+        except RuntimeError as err:  # the model's own forward, eagerly: say which and what it was given
+            if isinstance(err, (WeightstreamError, torch.OutOfMemoryError)):
+                raise
+            raise ArgumentError(
+                f"{type(self.model).__name__}'s forward failed over the static KV cache and 4-D attention "
+                f"mask that speculative generation gives it ({str(err).splitlines()[0][:160]}): its "
+                "transformers implementation does not run that way (transformers' DeepSeek-V2 does not); "
+                "generate with model.generate instead") from err
