@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..errors import BudgetError, OffloadStateError
-from ..placement.entries import _set_tensor
+from ..placement.entries import Entry, _set_tensor, module_blocks
 from ..sizes import format_size
 from ..wire.groups import make_transfer
 from . import ops, replay
@@ -72,11 +72,9 @@ class StreamEngine:
         # streamed tensors the model rebound, adopted: (group, record, slice); one bound again (as
         # torch.func.functional_call puts the originals back) streams again (`_restream_returned`)
         self.rebound: list[tuple[int, Watched, object]] = []
-        # the streamed tensors (views of the staging slots) by id, and the block of each module: a
-        # streamed tensor or a module holding one registered elsewhere is refused (`check_registered`,
-        # `_on_tensor_registered`)
-        self.slot_views = {id(e.tensor): e for group in prep.groups for e, _ in group}
-        self.block_of = {id(m): i for i, block in enumerate(prep.block_modules) for m in block.modules()}
+        # the block of each module: a module holding a streamed tensor registered in another block is
+        # refused (`check_registered`)
+        self.block_of = module_blocks(prep.block_modules)
         self.refused: BudgetError | None = None  # a state write refused: every later forward is too
         self.peft = peft_layers(prep.model, {id(e.tensor) for group in prep.groups for e, _ in group})
         self.check = check
@@ -230,7 +228,6 @@ class StreamEngine:
         """Stop streaming `w`'s entry: it becomes resident at `value` (None: at what the model bound in
         its place). Its bytes stay in the group's layout, unread."""
         entry = w.entry
-        self.slot_views.pop(id(w.tensor), None)
         if value is None:  # rebound: adopted, unless the model binds this tensor again
             self.rebound.extend((group, w, sl) for e, sl in self.groups[group] if e is entry)
         self.groups[group][:] = [(e, sl) for e, sl in self.groups[group] if e is not entry]
@@ -262,7 +259,6 @@ class StreamEngine:
                 self.groups[group].append((w.entry, sl))
                 self.watch.restore(group, w)
                 self.guards.remember_true(w.tensor, (w.entry, group, sl))
-                self.slot_views[id(w.tensor)] = w.entry
 
     def _adopt_rebound(self, found: list[tuple[int, Watched, str]]) -> list[Watched]:
         """Adopt each rebound tensor of `found` ((group, watched, change) triples, as
@@ -351,6 +347,13 @@ class StreamEngine:
         for layer, merged in peft_layers(module, streamed).items():
             self.peft.setdefault(layer, merged)
 
+    def streamed_entry(self, tensor: torch.Tensor) -> Entry | None:
+        """The entry of `tensor` where it is a streamed tensor (a view of a staging slot), else None."""
+        found = self.guards._true.get(id(tensor)) if self.guards is not None else None
+        if found is None or found[1] >= len(self.groups) or found[0].tensor is not tensor:
+            return None  # not kept off the GPU, or read in place (zero copy: its own host bytes)
+        return found[0]
+
     def check_registered(self, parent: nn.Module, name: str, module: nn.Module) -> None:
         """`module` is being registered as `parent.<name>` inside the offloaded model: refuse it where it
         holds a tensor streamed with another block than `parent`'s (it would be read outside that
@@ -360,8 +363,8 @@ class StreamEngine:
         block = self.block_of.get(id(parent))
         for sub in module.modules():
             for tensor in (*sub._parameters.values(), *sub._buffers.values()):
-                entry = self.slot_views.get(id(tensor))
-                if entry is not None and entry.tensor is tensor and entry.owner != block:
+                entry = self.streamed_entry(tensor)
+                if entry is not None and entry.owner != block:
                     raise OffloadStateError(
                         f"{entry.name} streams through a staging buffer that other blocks share: "
                         f"registering a module that holds it as {type(parent).__name__}.{name}, outside "
@@ -396,8 +399,9 @@ def _on_tensor_registered(module: nn.Module, name: str, tensor):
     if torch.compiler.is_compiling():  # a compiled block rebinding its own buffer: nothing to check
         return None
     for engine in ops.engines():
-        entry = getattr(engine, "slot_views", {}).get(id(tensor))  # other engines keep no slot views
-        if entry is None or entry.tensor is not tensor:
+        streamed_entry = getattr(engine, "streamed_entry", None)  # other engines stream no slot views
+        entry = streamed_entry(tensor) if streamed_entry is not None else None
+        if entry is None:
             continue
         if not any(site.module is module and site.name == name for site in entry.sites):
             raise OffloadStateError(

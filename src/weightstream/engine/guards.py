@@ -108,11 +108,8 @@ class ModelGuards:
         """`value` (from `true_value`) as the parameter parameters() gives; a copy's record (`_copy`)
         then watches the parameter, whose writes do not move the copy's version."""
         param = TrueWeight(value, requires_grad=False)
-        for i in range(len(self._copies) - 1, -1, -1):
-            ref, _, name = self._copies[i]
-            if ref() is value:
-                self._copies[i] = (weakref.ref(param), param._version, name)
-                break
+        if self._copies and self._copies[-1][0]() is value:  # `_copy` recorded it last, just now
+            self._copies[-1] = (weakref.ref(param), param._version, self._copies[-1][2])
         return param
 
     def lost_writes(self) -> list[str]:

@@ -112,13 +112,20 @@ def _dense(t: torch.Tensor) -> bool:
     return True
 
 
+def module_blocks(blocks: list[nn.Module]) -> dict[int, int | None]:
+    """The block index of every module inside `blocks`, by id; None for a module two blocks hold (one
+    object registered in both, or the same block twice): its tensors stay resident."""
+    block_of: dict[int, int | None] = {}
+    for i, block in enumerate(blocks):
+        for module in block.modules():
+            block_of[id(module)] = i if block_of.get(id(module), i) == i else None
+    return block_of
+
+
 def _collect(model: nn.Module, blocks: list[nn.Module], keep: frozenset[str] = frozenset()) -> list[Entry]:
     """Every distinct parameter and buffer of the model, with its sites and owning block (none for a
     tensor whose qualified name is in `keep`: it stays resident)."""
-    block_of: dict[int, int | None] = {}  # None: a module held by two blocks (one object registered
-    for i, block in enumerate(blocks):  # in both, or the same block twice): its tensors stay resident
-        for module in block.modules():
-            block_of[id(module)] = i if block_of.get(id(module), i) == i else None
+    block_of = module_blocks(blocks)
     entries: dict[int, Entry] = {}
     for module_name, module in model.named_modules():
         owner = block_of.get(id(module))
