@@ -61,6 +61,11 @@ def main(argv: list[str] | None = None) -> int:
                       help="a mixture of experts: plan its GPU expert cache for Zipf(S) expert popularity, "
                            "as offload(routing_skew=S) (default: uniform routing); the cache pays from "
                            "CUDA graphs (--compile graphs); eagerly it is slower (it warns)")
+    text.add_argument("--expert-copies", action="store_true",
+                      help="a mixture of experts: copy each step's routed experts to the GPU by the copy "
+                           "engine once the host has read the routing, instead of reading them in place "
+                           "(as offload(expert_copies=True); faster for experts stored [experts, in, out], "
+                           "GPT-OSS); not with --compile graphs")
     image = gen.add_argument_group("image (a diffusers pipeline folder)")
     image.add_argument("--steps", type=int, default=None,
                        help="denoising steps (default: the pipeline's own, e.g. 28 for Flux)")
@@ -102,6 +107,9 @@ def main(argv: list[str] | None = None) -> int:
                       help="a mixture of experts: plan the GPU expert cache for expert popularity that "
                            "follows a Zipf(S) law (S >= 0; trained routers are skewed), as "
                            "offload(routing_skew=S); default: uniform routing")
+    plan.add_argument("--expert-copies", action="store_true",
+                      help="a mixture of experts: plan its routed experts copied by the copy engine each "
+                           "forward instead of read in place, as offload(expert_copies=True)")
     plan.add_argument("--json", action="store_true", help="print JSON for tools")
     plan.add_argument("--compress", default="auto", choices=["auto", "true", "false"],
                       help="stream groups losslessly compressed, as offload(compress=...): true, "
@@ -139,7 +147,7 @@ def _run(args: argparse.Namespace) -> int:
         _check_plan_options(args, pipeline)
         compress = {"auto": "auto", "true": True, "false": False}[args.compress]
         config = OffloadConfig(args.gpu_memory, strategy=args.strategy, compress=compress,
-                               routing_skew=args.routing_skew)
+                               routing_skew=args.routing_skew, expert_copies=args.expert_copies)
         report = (plan_pipeline(args.model, config, args.steps or DEFAULT_STEPS, dtype=args.dtype,
                                 cpu_memory=args.cpu_memory)
                   if pipeline
@@ -154,7 +162,8 @@ def _run(args: argparse.Namespace) -> int:
 
         pipeline = is_pipeline_folder(args.path)
         _check_generate_options(args, pipeline)
-        config = OffloadConfig(args.gpu_memory, device=args.device, routing_skew=args.routing_skew)
+        config = OffloadConfig(args.gpu_memory, device=args.device, routing_skew=args.routing_skew,
+                               expert_copies=args.expert_copies)
         if pipeline:
             summary = generate_image(
                 args.path, args.prompt, config, cpu_memory=args.cpu_memory, steps=args.steps,
@@ -218,10 +227,16 @@ def _check_generate_options(args: argparse.Namespace, pipeline: bool) -> None:
     if pipeline:
         _refuse_unused({"--max-new-tokens": args.max_new_tokens, "--compile": args.compile,
                         "--chat": args.chat, "--speculate": args.speculate, "--tree": args.tree,
-                        "--routing-skew": args.routing_skew},
+                        "--routing-skew": args.routing_skew, "--expert-copies": args.expert_copies},
                        f"{args.path} is a diffusers pipeline folder (model_index.json), which makes an "
                        "image, not text")
     else:
+        if args.expert_copies and args.compile == "graphs":
+            from .errors import ArgumentError
+
+            raise ArgumentError("--expert-copies and --compile graphs: expert copies read each step's "
+                                "routing on the host, which a CUDA graph cannot capture; drop one of them (a "
+                                "GPU expert cache, --routing-skew S, is what pays from CUDA graphs)")
         _refuse_unused({"--steps": args.steps, "--size": args.size, "--seed": args.seed, "--out": args.out},
                        "only a diffusers pipeline folder (model_index.json) makes an image")
 

@@ -65,6 +65,7 @@ class OffloadConfig:
     placement: Placement | None = None
     expert_cache: bool = True
     routing_skew: float | None = None
+    expert_copies: bool = False
 
     def __post_init__(self) -> None:
         put = object.__setattr__
@@ -112,6 +113,10 @@ class OffloadConfig:
                                 "the planner predicts it faster) or False (none)")
         if self.routing_skew is not None:
             check_routing_skew(self.routing_skew)
+        if not isinstance(self.expert_copies, bool):
+            raise ArgumentError(f"expert_copies={self.expert_copies!r}: give True (routed experts copied by "
+                                "the copy engine once the host has read the routing: eager and compiled "
+                                "forwards, no CUDA graphs) or False (read in place, or through a cache)")
         if self.placement is not None and not isinstance(self.placement, Placement):
             raise ArgumentError(f"placement={type(self.placement).__name__}: give a weightstream.Placement "
                                 "(plan.placement_of makes one) or None to let the planner choose")

@@ -85,8 +85,9 @@ class OffloadStats:
     # the planner's ms of a forward entered with nothing staged: the first, or a CUDA graph replay
     predicted_first_ms: float | None = None
     expert_bytes_per_token: float | None = None  # counted since count_experts(); None: not counted
-    # the GPU expert cache (placement.expert_cache): its pools and work buffers' bytes, and its hits
-    # over the experts reached since offload or count_experts() (None: no cache, or nothing reached)
+    # the GPU expert cache (placement.expert_cache): its pools and work buffers' bytes (with expert
+    # copies, placement.expert_copies: their work buffers'), and its hits over the experts reached
+    # since offload or count_experts() (None: no cache, or nothing reached)
     cache_bytes: int = 0
     expert_hit_rate: float | None = None
 
@@ -211,13 +212,14 @@ class OffloadHandle:
                 for entry, _ in group:
                     if experts and len(entry.shape) == 3 and entry.shape[0] == experts:
                         into[entry.owner] += entry.nbytes
-        # blocks behind a cache: their caches count what they read
-        cached = set(self.expert_caches.blocks) if self.expert_caches else set()
+        # blocks behind a cache: their caches count what they read (copied experts are counted here)
+        caches = self.expert_caches if self.expert_caches and not self.expert_caches.copies else None
+        cached = set(caches.blocks) if caches else set()
         blocks = [RoutedBlock(m, experts, in_place[i], streamed[i]) for i, m in enumerate(self._blocks)
                   if (in_place[i] or streamed[i]) and i not in cached]
-        if self.expert_caches:
-            self.expert_caches.reset_counts()
-        self._experts = ExpertCounter(blocks, self.device, self.expert_caches)
+        if caches:
+            caches.reset_counts()
+        self._experts = ExpertCounter(blocks, self.device, caches)
 
     def routing_skew(self) -> float | None:
         """The Zipf exponent of expert popularity that best fits the routers' choices since
@@ -275,7 +277,7 @@ class OffloadHandle:
                 cost, p.streamed, p.n_slots, p.uva, p.part, budget=self.engine.budget,
                 strategy=p.requested_strategy, compressed=p.compressed,
                 landing_buffers=p.landing_buffers or None, uva_experts=p.uva_experts,
-                expert_cache=p.expert_cache, expert_slots=p.expert_slots))
+                expert_cache=p.expert_cache, expert_slots=p.expert_slots, expert_copies=p.expert_copies))
         new = offload_module(self.model, config)
         new.config = asked  # what was asked; the placement kept (or resized) is an edit's, not the user's
         self.__dict__.clear()
@@ -351,15 +353,17 @@ def finish(
     for entry in prep.entries:
         if id(entry) not in off_device:
             _set_tensor(entry, places[id(entry)])
-    regions = []
+    regions, host_regions = [], []
     for j, group in enumerate(prep.uva_groups):  # zero copy: the device reads the arena in place
         region = arena.region(len(prep.groups) + j)
+        host_regions.append(region)
         if prep.device.type == "cuda":
             region = uva_view(region, prep.device)
         regions.append(region)
         for entry, sl in group:
             _set_tensor(entry, entry.view_of(region[sl.offset : sl.offset + sl.nbytes]))
-    caches = expert_cache.install(prep, regions)  # cached experts: their parameters view work buffers
+    # cached or copied experts: their parameters view work buffers
+    caches = expert_cache.install(prep, regions, host_regions)
     slots = [
         torch.empty(placement.slot_bytes, dtype=torch.uint8, device=prep.device)
         for _ in range(placement.n_slots)

@@ -8,8 +8,7 @@ import torch
 
 from .config import OffloadConfig, config_of
 from .formats.hf import choose_disk_groups, diffusers_class
-from .placement.cost import predict
-from .placement.plan import wire_of
+from .placement.plan import predict_placement, wire_of
 from .placement.prepare import prepare
 from .placement.probe import load_profile
 from .placement.shapes import meta_model
@@ -78,8 +77,7 @@ def plan_report(model_name: str, gpu_memory: int | str | OffloadConfig, tokens: 
     phases = ((("decode", 1), (f"prefill_{prefill_tokens}", prefill_tokens)) if not diffusers_model
               else ((f"forward_{tokens}", tokens),))
     predictions = {
-        name: predict(cost, p.streamed, p.n_slots, p.uva, n, profile, p.part, p.compressed, p.n_landing,
-                      p.uva_experts, p.expert_cache, p.expert_slots)
+        name: predict_placement(cost, p, n, profile)
         for name, n in phases
     }
     host_limit = None if host_bytes is None else host_bytes - sum(prep.uva_group_bytes)
@@ -105,7 +103,12 @@ def plan_report(model_name: str, gpu_memory: int | str | OffloadConfig, tokens: 
                       "experts_only_blocks": list(p.uva_experts)},
         # a GPU expert cache: blocks (of experts_only_blocks) whose routed experts go through a static
         # pool of `slots` experts each; bytes: the pools plus their work buffers (in gpu_bytes)
-        "expert_cache": {"blocks": list(p.expert_cache), "slots": p.expert_slots, "bytes": p.cache_bytes,
+        # expert copies: blocks (of experts_only_blocks) whose routed experts the copy engine copies
+        # into work buffers every forward once the host has read the routing; bytes: the work buffers
+        "expert_copies": {"blocks": list(p.expert_copies),
+                          "bytes": cost.cache_bytes(p.expert_copies, 0)},
+        "expert_cache": {"blocks": list(p.expert_cache), "slots": p.expert_slots,
+                         "bytes": p.cache_bytes - cost.cache_bytes(p.expert_copies, 0),
                          "experts": cost.experts, "hit_share": cost.cache_hit(p.expert_slots),
                          # the Zipf exponent of expert popularity planned for (None: uniform routing)
                          "routing_skew": config.routing_skew},
@@ -179,6 +182,10 @@ def format_report(r: dict) -> str:
            + "; its launches are predicted as replayed from a CUDA graph (eagerly they cost more than the "
              "cache saves at decode)"]
           if r.get("expert_cache", {}).get("blocks") else []),
+        *([f"{'expert copies':13}{len(r['expert_copies']['blocks']):>7}"
+           f"{size(r['expert_copies']['bytes']):>14}   work buffers; each forward the host reads the "
+           "routing and the copy engine copies the routed experts in (eager and compiled, no CUDA graphs)"]
+          if r.get("expert_copies", {}).get("blocks") else []),
         f"on the wire: {size(r['wire']['bytes'])} of {size(r['wire']['raw_bytes'])} streamed per forward, "
         + (f"compressed (ratio {r['wire']['ratio']:.3f}; landing buffers {r['wire']['landing_buffers']} x "
            f"{size(r['wire']['landing_bytes'])}, counted in the GPU memory)"

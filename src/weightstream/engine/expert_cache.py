@@ -34,6 +34,12 @@ says so, once per model.
 Under torch.compile the gather is the custom op `weightstream::expert_gather`, which takes the experts'
 inputs and returns copies of them (as the schedule ops of `ops.py` do), so every read of the parameters
 follows it; eagerly it is called straight from a forward pre-hook on the experts module.
+
+Expert copies (`ExpertCopy`, placement.expert_copies) use the same work buffers, hooks and op without a
+pool or table: the host reads the call's routing (one synchronization per layer) and the copy engine
+copies the routed experts' rows from the pinned arena into the work buffer, at the link's copy rate
+whatever the experts' layout (a GEMM reading GPT-OSS's [experts, in, out] experts in place reads short
+rows, at about 0.45 of it on an H100). The synchronization rules out CUDA graphs: a capture is refused.
 """
 
 from __future__ import annotations
@@ -194,6 +200,42 @@ class ExpertCache:
             copy_rows(t.work, t.pool, t.host, work_to, work_from, ~cached)
 
 
+class ExpertCopy:
+    """One experts module whose routed experts the copy engine copies into the work buffers every call
+    (no pool, no table): `tensors[i].host` is the pinned arena's rows as the host addresses them."""
+
+    pool_bytes = 0
+
+    def __init__(self, module: nn.Module, tensors: list[CachedTensor], experts: int) -> None:
+        self.module, self.tensors, self.experts = module, tensors, experts
+        self.row_bytes = sum(t.host.shape[1] for t in tensors)
+
+    def gather(self, top_k_index: torch.Tensor) -> None:
+        """Copy the rows of every expert some token of `top_k_index` is routed to (indices outside
+        0..experts-1, as expert parallelism marks foreign ones, are skipped), consecutive experts in one
+        copy each, on the current stream: after whatever read the shared work buffers before."""
+        if top_k_index.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise OffloadStateError(
+                "weightstream: expert copies read each call's routing on the host, which a CUDA graph "
+                "cannot capture: offload with expert_copies=False to decode from CUDA graphs (the routed "
+                "experts are then read in place, or through a GPU expert cache)")
+        routed = sorted({e for e in top_k_index.reshape(-1).tolist() if 0 <= e < self.experts})
+        for start, stop in _runs(routed):
+            for t in self.tensors:
+                t.work[start:stop].copy_(t.host[start:stop], non_blocking=True)
+
+
+def _runs(ids: list[int]) -> list[tuple[int, int]]:
+    """Sorted distinct integers as [start, stop) runs of consecutive ones."""
+    runs: list[tuple[int, int]] = []
+    for i in ids:
+        if runs and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return runs
+
+
 _CACHES: weakref.WeakValueDictionary[int, ExpertCaches] = weakref.WeakValueDictionary()
 _IDS = itertools.count(1)
 
@@ -203,30 +245,36 @@ class ExpertCaches:
     buffers, and what they counted. Built by `offload.finish` from the zero-copy groups of the cached
     blocks; `remove()` takes the hooks off (the parameters then view the host arena again)."""
 
-    def __init__(self, layers: list[tuple[nn.Module, list[tuple[Entry, torch.Tensor]]]], slots: int,
-                 device: torch.device, fill_calls: int = FILL_CALLS) -> None:
-        """`layers`: (experts module, [(entry, its bytes in the host arena)]) of each cached layer."""
+    def __init__(self, layers: list[tuple[nn.Module, list[tuple[Entry, torch.Tensor, torch.Tensor]]]],
+                 slots: int, device: torch.device, fill_calls: int = FILL_CALLS) -> None:
+        """`layers`: (experts module, [(entry, its bytes in the host arena as the device reads them, the
+        same bytes as the host addresses them)]) of each layer. `slots` 0: expert copies (`ExpertCopy`)
+        instead of caches."""
         self.device = device
+        self.copies = slots == 0
         self.blocks: tuple[int, ...] = ()  # the model's blocks they cache (set by `install`)
         self.caches: list[ExpertCache] = []
         self.work: dict[tuple, torch.Tensor] = {}  # (shapes, dtypes of a layer) -> flat work buffers
         self._host_views: list[tuple[Entry, torch.Tensor]] = []
         for module, tensors in layers:
             experts = tensors[0][0].shape[0]
-            signature = tuple((e.shape, e.dtype) for e, _ in tensors)
+            signature = tuple((e.shape, e.dtype) for e, _, _ in tensors)
             if signature not in self.work:
                 self.work[signature] = [torch.zeros(e.nbytes, dtype=torch.uint8, device=device)
-                                        for e, _ in tensors]
+                                        for e, _, _ in tensors]
             cached = []
-            for (entry, host), work in zip(tensors, self.work[signature], strict=True):
+            for (entry, host, host_rows), work in zip(tensors, self.work[signature], strict=True):
                 row = entry.nbytes // experts
                 pool = torch.zeros(slots, row, dtype=torch.uint8, device=device)
-                cached.append(CachedTensor(entry, host.view(experts, row), pool, work.view(experts, row)))
+                source = host_rows if self.copies else host  # the copy engine takes host addresses
+                cached.append(CachedTensor(entry, source.view(experts, row), pool, work.view(experts, row)))
                 self._host_views.append((entry, entry.tensor))
                 _set_tensor(entry, entry.view_of(work))
-            self.caches.append(ExpertCache(module, cached, CacheTable(experts, slots, device, fill_calls)))
+            self.caches.append(ExpertCopy(module, cached, experts) if self.copies else
+                               ExpertCache(module, cached, CacheTable(experts, slots, device, fill_calls)))
         self.eager_calls = 0  # forwards run eagerly on a GPU (counted at the first cached layer)
-        self.watch_eager = device.type == "cuda"  # off once a capture is seen or the warning is given
+        # off once a capture is seen or the warning is given; copies run eagerly by design
+        self.watch_eager = device.type == "cuda" and not self.copies
         self.cache_id = next(_IDS)
         _CACHES[self.cache_id] = self
         self.hooks = [c.module.register_forward_pre_hook(self._hook(i)) for i, c in enumerate(self.caches)]
@@ -284,7 +332,10 @@ class ExpertCaches:
     def counts(self) -> dict[str, float]:
         """What the caches counted since they went on or were last `reset` (one synchronization): calls,
         tokens (of one forward counted once: the most any layer saw), experts reached, hits, and bytes
-        read from host memory."""
+        read from host memory. Expert copies count nothing themselves (all zero): the routers' counters
+        (`handle.count_experts`) count the experts they copy, as for experts read in place."""
+        if self.copies:
+            return dict.fromkeys(("calls", "tokens", "reached", "hits", "host_bytes"), 0)
         rows = [c.table.counts.tolist() for c in self.caches]
         return {"calls": sum(r[0] for r in rows), "tokens": max((r[1] for r in rows), default=0),
                 "reached": sum(r[2] for r in rows), "hits": sum(r[3] for r in rows),
@@ -298,7 +349,8 @@ class ExpertCaches:
     def reset_counts(self) -> None:
         """Start counting from zero (the tables and pools stay as they are)."""
         for c in self.caches:
-            c.table.counts.zero_()
+            if not self.copies:
+                c.table.counts.zero_()
 
     def remove(self) -> None:
         """Take the hooks off and point each parameter back at its host bytes; forget this cache."""
@@ -310,17 +362,19 @@ class ExpertCaches:
         _CACHES.pop(self.cache_id, None)
 
 
-def install(prep, regions: list[torch.Tensor]) -> ExpertCaches | None:
-    """The expert caches of `prep.placement` (None without any), over the zero-copy groups' arena
-    regions `regions` (as the device reads them: zero-copy views on CUDA). Each cached block's routed
-    tensors are grouped by the experts module that holds them; a block whose routed tensors are not all
-    plain parameters of such a module (`placement.experts.is_experts`: called as
-    experts(hidden, top_k_index, top_k_weights)) keeps reading them in place, uncached."""
+def install(prep, regions: list[torch.Tensor], host_regions: list[torch.Tensor]) -> ExpertCaches | None:
+    """The expert caches, or expert copies, of `prep.placement` (None without either), over the
+    zero-copy groups' arena regions: `regions` as the device reads them (zero-copy views on CUDA),
+    `host_regions` the same bytes as the host addresses them (what the copy engine copies from). Each
+    such block's routed tensors are grouped by the experts module that holds them; a block whose routed
+    tensors are not all plain parameters of such a module (`placement.experts.is_experts`: called as
+    experts(hidden, top_k_index, top_k_weights)) keeps reading them in place, and a warning names it."""
     p = prep.placement
+    chosen = p.expert_copies or p.expert_cache
     layers: list[tuple[nn.Module, list]] = []
-    blocks = []
-    for block, group, region in zip(p.uva, prep.uva_groups, regions, strict=True):
-        if block not in p.expert_cache:
+    blocks, refused = [], []
+    for block, group, region, host in zip(p.uva, prep.uva_groups, regions, host_regions, strict=True):
+        if block not in chosen:
             continue
         modules: dict[int, tuple[nn.Module, list]] = {}
         for entry, sl in group:
@@ -328,15 +382,22 @@ def install(prep, regions: list[torch.Tensor]) -> ExpertCaches | None:
             if not (is_experts(module) and isinstance(entry.tensor, nn.Parameter) and entry.flat is None
                     and entry.stride is None  # rows of experts: the layout in rows
                     and len(entry.sites) == 1 and entry.shape[0] == module.num_experts):
+                refused.append(f"{block} ({entry.name})")
                 break
             modules.setdefault(id(module), (module, []))[1].append(
-                (entry, region[sl.offset : sl.offset + sl.nbytes]))
+                (entry, region[sl.offset : sl.offset + sl.nbytes], host[sl.offset : sl.offset + sl.nbytes]))
         else:
             layers.extend(modules.values())
             blocks.append(block)
+    if refused:
+        what = "expert copies" if p.expert_copies else "a GPU expert cache"
+        warnings.warn(f"weightstream: blocks {', '.join(refused)} were placed for {what} but hold routed "
+                      "tensors that are not plain parameters of an experts module called as experts(hidden, "
+                      "top_k_index, top_k_weights) with one row per expert: they read their experts in place",
+                      stacklevel=3)
     if not layers:
         return None
-    caches = ExpertCaches(layers, p.expert_slots, prep.device)
+    caches = ExpertCaches(layers, 0 if p.expert_copies else p.expert_slots, prep.device)
     caches.blocks = tuple(blocks)
     return caches
 

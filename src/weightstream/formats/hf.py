@@ -292,6 +292,7 @@ def from_pretrained(
     steps: int | None = None,
     expert_cache: bool = True,
     routing_skew: float | None = None,
+    expert_copies: bool = False,
 ) -> nn.Module | PipelineHandle:
     """Load the model in the local folder `path` so its weights take at most `gpu_memory`.
 
@@ -304,10 +305,11 @@ def from_pretrained(
         be captured in CUDA graphs. The planner keeps zero-copy blocks within it.
     dtype: the model's dtype, a torch.dtype or a name such as "bfloat16" or "fp16" (default: the
         config's, else float32).
-    strategy, tokens, profile, compress, expert_cache, routing_skew: as for `offload` ("auto",
-        "stream" or "uva"; tokens per forward to plan for; the machine profile to plan with; stream
-        groups losslessly compressed; a GPU expert cache for a mixture of experts where the planner
-        predicts it faster; the expert popularity that cache is planned for).
+    strategy, tokens, profile, compress, expert_cache, routing_skew, expert_copies: as for `offload`
+        ("auto", "stream" or "uva"; tokens per forward to plan for; the machine profile to plan with;
+        stream groups losslessly compressed; a GPU expert cache for a mixture of experts where the
+        planner predicts it faster; the expert popularity that cache is planned for; routed experts
+        copied by the copy engine instead of read in place, no CUDA graphs).
         `gpu_memory` may be an `OffloadConfig` holding them (with device and pin_memory); WEIGHTSTREAM_CHECK
         turns on check mode as for `offload`.
         A compressed load codes each streamed group once, read from the shards one group at a time
@@ -330,7 +332,7 @@ def from_pretrained(
     """
     config = config_of(gpu_memory, device=device, pin_memory=pin_memory, strategy=strategy, tokens=tokens,
                        profile=profile, compress=compress, expert_cache=expert_cache,
-                       routing_skew=routing_skew)
+                       routing_skew=routing_skew, expert_copies=expert_copies)
     if is_pipeline_folder(path):  # a diffusers pipeline: each of its models built and loaded as below
         if steps is not None and steps < 1:
             raise ArgumentError(f"steps={steps}: a generation takes at least 1 denoising step")

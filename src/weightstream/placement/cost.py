@@ -257,6 +257,7 @@ def predict(
     uva_experts: tuple[int, ...] = (),
     expert_cache: tuple[int, ...] = (),
     expert_slots: int = 0,
+    expert_copies: tuple[int, ...] = (),
 ) -> Prediction:
     """Predict one forward of `tokens` tokens with blocks `streamed` (through `n_slots` slots; each
     streams its `part` largest tensors, 0: all of it) and `uva` (zero copy), the rest resident: the
@@ -285,13 +286,16 @@ def predict(
     routed experts into a work buffer before the GEMMs read them resident: the cached share
     (`ModelCost.cache_hit` of `expert_slots`: uniform routing, or the model's `popularity`) from the
     device, the rest read in place once (at the one-token zero-copy rate, whatever the tokens), plus
-    the table update and gather's own `profile.expert_gather_seconds`."""
+    the table update and gather's own `profile.expert_gather_seconds`. Blocks of `expert_copies` (a
+    subset of `uva_experts`) wait for the host to read their routing (`profile.expert_sync_seconds`),
+    then copy the routed experts over the link at the copy rate and read them resident."""
     group_of = {block: g for g, block in enumerate(streamed)}
     extra = profile.block_extra_seconds(model.width, tokens)  # every block, wherever its weights are
     on_device = model.block_seconds(tokens, profile)  # each block's seconds, its weights resident
     uva_set = set(uva)
     experts_only = set(uva_experts)
     cached = set(expert_cache)
+    copied = set(expert_copies)
     miss = 1.0 - model.cache_hit(expert_slots) if cached else 1.0
     n = len(streamed)
     n_buffers = n_landing or (2 if n_slots == 1 and n > 1 else n_slots)
@@ -390,6 +394,16 @@ def predict(
                     link_bytes[forward] += nbytes
                     compute += (sum(profile.resident_seconds(b, m) for b, m in routed) + extra
                                 + profile.expert_gather_seconds)
+                    continue
+                if block in copied:  # dense GEMMs, the host reads the routing, copies, routed GEMMs
+                    (dense, m), *routed = model.reads(block, tokens)
+                    compute += profile.resident_seconds(dense, m) + profile.expert_sync_seconds
+                    nbytes = sum(b for b, _ in routed)
+                    seconds = profile.copy_seconds(nbytes)
+                    compute = copy = max(compute, copy) + seconds
+                    link[forward] += seconds
+                    link_bytes[forward] += nbytes
+                    compute += sum(profile.resident_seconds(b, m) for b, m in routed) + extra
                     continue
                 if block in experts_only:  # dense GEMMs on resident weights, then the routed reads
                     (dense, m), *routed = model.reads(block, tokens)

@@ -63,6 +63,10 @@ class Placement:
     expert_cache: tuple[int, ...] = ()
     expert_slots: int = 0
     cache_bytes: int = 0
+    # blocks of uva_experts whose routed experts the copy engine copies into work buffers every call,
+    # once the host has read the routing (engine/expert_cache.ExpertCopy; their work buffers count in
+    # cache_bytes); eager and compiled only: a CUDA graph cannot capture the host's read
+    expert_copies: tuple[int, ...] = ()
 
     @property
     def compressed(self) -> bool:
@@ -96,6 +100,12 @@ class Placement:
         """"resident", "stream", "uva" or "mix": what the placement does with the blocks off the GPU."""
         return {(False, False): "resident", (True, False): "stream", (False, True): "uva"}.get(
             (bool(self.streamed), bool(self.uva)), "mix")
+
+
+def predict_placement(model: ModelCost, p: Placement, tokens: int, profile: MachineProfile) -> Prediction:
+    """The cost model's prediction of placement `p` of `model` at `tokens` tokens per forward."""
+    return predict(model, p.streamed, p.n_slots, p.uva, tokens, profile, p.part, p.compressed, p.n_landing,
+                   p.uva_experts, p.expert_cache, p.expert_slots, p.expert_copies)
 
 
 def wire_of(model: ModelCost, p: Placement) -> tuple[int, int]:
@@ -201,6 +211,18 @@ def _expert_candidates(n: int, strategy: str, max_slots: int, apart: tuple[int, 
                 yield streamed, in_place, n_slots, 0, experts
 
 
+def _with_copies(model: ModelCost, p: Placement, budget: int, tokens: int, profile: MachineProfile,
+                 host_bytes: int | None, strategy: str) -> Placement | None:
+    """Placement `p` with the routed experts of each of its blocks read for them copied by the copy
+    engine instead (`Placement.expert_copies`); None where their work buffers do not fit the budget."""
+    blocks = tuple(b for b in p.uva_experts if not (model.quant_bytes and model.quant_bytes[b]))
+    if not blocks:
+        return None
+    return placement_of(model, p.streamed, p.n_slots, p.uva, p.part, tokens, profile, budget, host_bytes,
+                        strategy, p.compressed, p.landing_buffers or None, uva_experts=p.uva_experts,
+                        expert_copies=blocks)
+
+
 def _with_cache(model: ModelCost, p: Placement, budget: int, tokens: int, profile: MachineProfile,
                 host_bytes: int | None, strategy: str) -> Placement | None:
     """Placement `p` with a GPU expert cache on each of its blocks read for their plain routed experts,
@@ -233,6 +255,7 @@ def placement_of(
     uva_experts: tuple[int, ...] = (),
     expert_cache: tuple[int, ...] = (),
     expert_slots: int = 0,
+    expert_copies: tuple[int, ...] = (),
 ) -> Placement | None:
     """The placement that streams blocks `streamed` through `n_slots` slots (each block's `part`
     largest tensors; 0: all of it) and reads blocks `uva` in place, with its predicted time; None when
@@ -242,7 +265,9 @@ def placement_of(
     None: the first). `uva_experts`: zero-copy blocks that read only their routed expert tensors in
     place (`ModelCost.experts_apart`), the rest of each resident. `expert_cache`: blocks of
     `uva_experts` whose routed experts go through a GPU cache of `expert_slots` slots each
-    (`ModelCost.cache_bytes`). Tests and tools use it to force a placement."""
+    (`ModelCost.cache_bytes`); `expert_copies`: blocks of `uva_experts` (none of them cached) whose
+    routed experts the copy engine copies into work buffers every call. Tests and tools use it to force
+    a placement."""
     if profile is None:
         from .probe import H200 as profile
     sizes = model.block_bytes
@@ -256,6 +281,9 @@ def placement_of(
             (expert_cache and expert_slots > model.experts):
         raise ArgumentError(f"expert_cache={expert_cache}, expert_slots={expert_slots}: name blocks of "
                             f"uva_experts={uva_experts} and 1..{model.experts} slots for each, or neither")
+    if not set(expert_copies) <= set(uva_experts) or set(expert_copies) & set(expert_cache):
+        raise ArgumentError(f"expert_copies={expert_copies}: name blocks of uva_experts={uva_experts} that "
+                            f"are not in expert_cache={expert_cache}")
     options = landing_options(n_slots, len(streamed))
     if landing_buffers is None:
         landing_buffers = options[0]
@@ -272,19 +300,19 @@ def placement_of(
         return None  # groups that would not shrink (they would stream raw)
     n_landing = landing_buffers if landing else 0
     staging = n_slots * slot + n_landing * landing
-    cache = model.cache_bytes(expert_cache, expert_slots)
+    cache = model.cache_bytes(expert_cache, expert_slots) + model.cache_bytes(expert_copies, 0)
     if budget is not None and resident + staging + cache > budget:
         return None
     if host_bytes is not None and host_need(model, streamed, uva, part, uva_experts) > host_bytes:
         return None
     prediction = predict(model, streamed, n_slots, uva, tokens, profile, part, bool(landing), n_landing,
-                         uva_experts, expert_cache, expert_slots)
+                         uva_experts, expert_cache, expert_slots, expert_copies)
     total = model.fixed_bytes + sum(sizes)
     return Placement(tuple(streamed), n_slots, slot, resident, total - resident, tuple(uva),
                      sum(model.uva_bytes(i, i in uva_experts) for i in uva), prediction, part,
                      requested_strategy=strategy, landing_bytes=landing, landing_buffers=n_landing,
                      uva_experts=tuple(uva_experts), expert_cache=tuple(expert_cache),
-                     expert_slots=expert_slots, cache_bytes=cache)
+                     expert_slots=expert_slots, cache_bytes=cache, expert_copies=tuple(expert_copies))
 
 
 def check_routing_skew(skew) -> None:
@@ -319,6 +347,7 @@ def plan(
     experts_apart: bool = True,
     expert_cache: bool = True,
     routing_skew: float | None = None,
+    expert_copies: bool = False,
 ) -> Placement:
     """The fastest placement of `model` whose weights fit in `budget` bytes of GPU memory.
 
@@ -339,6 +368,8 @@ def plan(
     routing_skew: the expert popularity to plan a cache for: each token draws its experts from a
         Zipf(routing_skew) law (`experts.zipf_popularity`; 0: uniform), so k slots serve the k most
         popular experts' share of the reads; None: uniform routing.
+    expert_copies: blocks read for their routed experts copy them by the copy engine each call instead
+        (`_with_copies`; no cache): one host synchronization per such layer, no CUDA graphs.
     """
     model = with_routing_skew(model, routing_skew)
     if strategy not in STRATEGIES:
@@ -371,9 +402,12 @@ def plan(
             for buffers in landing_options(n_slots, len(streamed)) if compressed else (None,):
                 candidate = placement_of(model, streamed, n_slots, uva, part, tokens, profile, budget,
                                          host_bytes, strategy, compressed, buffers, uva_experts)
+                if candidate is not None and uva_experts and expert_copies:
+                    candidate = _with_copies(model, candidate, budget, tokens, profile, host_bytes, strategy)
                 if candidate is not None and better(candidate, best):
                     best = candidate
-                if candidate is not None and expert_cache and uva_experts and not compressed:
+                if candidate is not None and expert_cache and uva_experts and not compressed and \
+                        not expert_copies:
                     cached = _with_cache(model, candidate, budget, tokens, profile, host_bytes, strategy)
                     if cached is not None and better(cached, best):
                         best = cached

@@ -6,6 +6,7 @@ the places) does the moving.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Collection
 from dataclasses import dataclass
 
@@ -252,7 +253,16 @@ def prepare(
     if placement is None:
         profile = load_profile(device) if profile is None else profile
         placement = plan(cost, budget, tokens, profile, strategy, host_bytes=host_bytes, compress=compress,
-                         experts_apart=experts_apart, expert_cache=config.expert_cache)
+                         experts_apart=experts_apart, expert_cache=config.expert_cache,
+                         expert_copies=config.expert_copies)
+        if config.expert_copies and cost.experts and not placement.expert_copies and placement.kind != \
+                "resident":
+            warnings.warn(
+                f"weightstream: expert_copies=True, but the placement the planner predicts fastest "
+                f"({placement.kind}: {len(placement.streamed)} blocks streamed whole, {len(placement.uva)} "
+                "read in place whole) reads no block for its routed experts alone, so no expert is copied; "
+                "force one with placement=plan.placement_of(..., uva_experts=..., expert_copies=...)",
+                stacklevel=4)
     elif placement.gpu_bytes > budget or max(placement.streamed + placement.uva, default=-1) >= len(found):
         raise ArgumentError(
             f"the given placement needs {format_size(placement.gpu_bytes)} of GPU memory for blocks up to "

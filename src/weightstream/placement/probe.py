@@ -55,6 +55,10 @@ class MachineProfile:
     # on an H100, qwen3-30b-a3b with 48 cached layers and every read a hit, 26.59 ms per token against
     # the resident 14.07 ms (benchmarks/results/2026-12-07_h100_qwen3-30b-a3b-skew-cache/README.md)
     expert_gather_seconds: float = 0.26e-3
+    # seconds one layer of expert copies (engine/expert_cache.ExpertCopy) waits for the host to read its
+    # routing and issue the copies (the GPU idle meanwhile); not probed, and not yet measured: a
+    # stand-in of one small device-to-host copy, a stream synchronization and a copy launch
+    expert_sync_seconds: float = 50e-6
 
     @property
     def h2d_GBps(self) -> float:

@@ -29,8 +29,7 @@ from torch import nn
 
 from ..handle import _HANDLE_ATTR
 from ..placement.blocks import find_blocks, module_bytes
-from ..placement.cost import predict
-from ..placement.plan import Placement
+from ..placement.plan import Placement, predict_placement
 from ..placement.prepare import prepare
 from ..placement.probe import load_profile
 from .checks import check_tree_argument
@@ -85,8 +84,7 @@ def placement_ms(cost, p: Placement, profile, replay: bool) -> Callable[[int], f
     `profile`: replayed from a CUDA graph (`replay`, entered with nothing staged) or in a loop."""
 
     def ms(tokens: int) -> float:
-        got = predict(cost, p.streamed, p.n_slots, p.uva, tokens, profile, p.part, p.compressed,
-                      p.n_landing, p.uva_experts, p.expert_cache, p.expert_slots)
+        got = predict_placement(cost, p, tokens, profile)
         return got.ms if replay else got.again_ms
 
     return ms

@@ -32,6 +32,8 @@ def placement_text(handle: OffloadHandle) -> str:
     experts = f" ({len(p.uva_experts)} of them only their routed experts)" if p.uva_experts else ""
     if p.expert_cache:
         experts += f", an expert cache of {p.expert_slots} slots in {len(p.expert_cache)} blocks"
+    if p.expert_copies:
+        experts += f", routed experts copied by the copy engine in {len(p.expert_copies)} blocks"
     return f"{p.kind}: {len(p.streamed)} streamed{part} / {p.n_slots} slots, {len(p.uva)} zero copy{experts}"
 
 
@@ -122,6 +124,10 @@ METHODS = (
     Method("ws-auto-skew", ws_prepare("auto", routing_skew="synthetic"), MODES,
            "weightstream, the planner told the synthetic routing skew (--routing-skew S: it plans the GPU "
            "expert cache for Zipf(S) popularity; without it, the same as ws-auto)", gives_reference=True,
+           in_default=False),
+    Method("ws-auto-copies", ws_prepare("auto", expert_copies=True), ("eager", "compiled"),
+           "weightstream, the planner's choice with routed experts copied by the copy engine once the host "
+           "has read the routing (expert_copies=True; no CUDA graphs)", gives_reference=True,
            in_default=False),
     Method("ws-uva-whole-blocks", ws_prepare("uva", experts_apart=False), MODES,
            "weightstream, blocks read in place from pinned memory whole (a mixture of experts' dense "
