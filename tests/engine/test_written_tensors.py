@@ -300,13 +300,47 @@ def test_peft_merge_and_unmerge_inside_edit_match_the_resident_model(n_slots):
     assert same_state(model, ref)
 
 
-def test_a_peft_merge_outside_edit_is_refused_at_the_next_forward():
+@pytest.mark.parametrize("safe_merge", [False, True])
+def test_a_peft_merge_outside_edit_is_refused_at_the_next_forward_and_undone(safe_merge):
+    """The merge writes the base weights through `.data` (in place, or `safe_merge` rebinding them to a
+    merged copy of whatever a staging slot held): refused at the next forward, and undone, adapters'
+    merge state included, so the forwards after it equal the resident model that never merged (they
+    ran the adapter unmerged-flagged over unmerged weights: neither model)."""
     ref, model, handle = lora_twins(2)
     ids = torch.randint(0, 128, (1, 8))
     model(ids)
-    model.merge_adapter()  # writes the base weights through .data: no version counter moves
+    model.merge_adapter(safe_merge=safe_merge)
     with pytest.raises(OffloadStateError, match="PEFT adapters were merged into or unmerged from"):
         model(ids)
+    for _ in range(2):
+        assert torch.equal(model(ids).logits, ref(ids).logits)
+    assert same_state(model, ref)
+    with handle.edit():  # and merging where it belongs still works
+        model.merge_adapter(safe_merge=safe_merge)
+    ref.merge_adapter(safe_merge=safe_merge)
+    assert torch.equal(model(ids).logits, ref(ids).logits)
+    handle.restore()
+    assert same_state(model, ref)
+
+
+@pytest.mark.parametrize("safe_merge", [False, True])
+def test_a_peft_merge_outside_edit_then_restore_or_state_dict_is_undone_with_a_warning(safe_merge):
+    """With no forward between the merge and `restore()` (or `state_dict()`), the merge is undone with a
+    warning: the restored model equals the resident one that never merged, and can be merged then."""
+    ref, model, handle = lora_twins(1)
+    ids = torch.randint(0, 128, (1, 8))
+    model(ids)
+    model.merge_adapter(safe_merge=safe_merge)
+    with pytest.warns(UserWarning, match="it was undone"):
+        state = model.state_dict()
+    assert all(torch.equal(v, ref.state_dict()[k]) for k, v in state.items())
+    model.merge_adapter(safe_merge=safe_merge)  # again, undone at restore this time
+    with pytest.warns(UserWarning, match="it was undone"):
+        handle.restore()
+    assert same_state(model, ref) and torch.equal(model(ids).logits, ref(ids).logits)
+    model.merge_adapter(safe_merge=safe_merge)
+    ref.merge_adapter(safe_merge=safe_merge)
+    assert torch.equal(model(ids).logits, ref(ids).logits)
 
 
 def test_diffusers_fuse_and_unfuse_lora_inside_edit_match_the_resident_pipeline():

@@ -25,7 +25,7 @@ from ..wire.groups import make_transfer
 from . import ops, replay
 from .host import HostArena
 from .schedule import Schedule
-from .watch import REBOUND, TensorWatch, Watched, holds_again, peft_layers
+from .watch import REBOUND, TensorWatch, Watched, _at, holds_again, peft_layers
 
 if TYPE_CHECKING:
     from ..placement.prepare import Prepared
@@ -198,23 +198,19 @@ class StreamEngine:
                 "it while offloaded; its group is compressed or read from disk, so that tensor was a copy "
                 "and the write never reached the weights (they are as they were). To edit weights, do it "
                 "inside `with handle.edit():` or before offload()")
+        if full and self._peft_changed():
+            raise OffloadStateError(self._undo_peft() + " To merge adapters, do it inside `with "
+                                    "handle.edit():` or before offload()")
         written = self._adopt_rebound(self.watch.all_changes() if full
                                       else [(group, w, c) for w, c in self.watch.changes(group)])
-        merged = [m for m, n in self.peft.items() if len(m.merged_adapters) != n] if full else []
-        if not written and not merged:
+        if not written:
             return
         self._invalidate()
         for w in written:
             self.watch.accept(w)
-        for m in merged:
-            self.peft[m] = len(m.merged_adapters)
-        if written:
-            w = written[0]
-            kind = "parameter" if isinstance(w.tensor, nn.Parameter) else "buffer"
-            what = f"{kind} {w.entry.name} was written in place"
-        else:
-            what = (f"PEFT adapters were merged into or unmerged from {type(merged[0]).__name__} layers' "
-                    "weights")
+        w = written[0]
+        kind = "parameter" if isinstance(w.tensor, nn.Parameter) else "buffer"
+        what = f"{kind} {w.entry.name} was written in place"
         raise OffloadStateError(
             f"{what} outside its block's forward while offloaded. A streamed tensor is a view of a staging "
             "buffer that other blocks share, so the write went to whichever block's weights the buffer "
@@ -223,6 +219,32 @@ class StreamEngine:
             "offload(). If a compiled forward wrote it (torch.compile applies a block's in-place writes "
             "after the block's window), it is state: run one forward eagerly before compiling, and "
             "weightstream keeps it resident")
+
+    def _peft_changed(self) -> list[nn.Module]:
+        """The PEFT tuner layers over streamed weights whose merged adapters changed since offload (or
+        since they were adopted)."""
+        return [m for m, merged in self.peft.items() if list(m.merged_adapters) != merged]
+
+    def _undo_peft(self) -> str:
+        """Undo a PEFT merge or unmerge made outside every block's forward: its `.data` writes landed
+        in whichever group a slot held (discarded: the slots are refilled), a `safe_merge` rebound the
+        weight to a copy made from such a slot (pointed back at its slot), and the layers' lists of
+        merged adapters go back to what they were, so weights and adapters agree again. Returns what
+        happened, for an error or a warning."""
+        layers = self._peft_changed()
+        for _, w, change in self.watch.all_changes():
+            if change == REBOUND and all(_at(site) is w.tensor for site in w.entry.sites):
+                self.watch.revert(w)  # `.data = merged copy`: back to its slot
+            elif change != REBOUND:
+                self.watch.accept(w)  # written in place: discarded with the slots' bytes
+        for m in layers:
+            m.merged_adapters[:] = self.peft[m]
+        self._invalidate()
+        return (f"PEFT adapters were merged into or unmerged from {len(layers)} {type(layers[0]).__name__} "
+                "layers' weights outside their blocks' forwards while offloaded. A streamed weight is a view "
+                "of a staging buffer that other blocks share, so the merge read and wrote whichever "
+                "block's weights the buffer held; it was undone (the weights and the layers' merged "
+                "adapters are as they were before it).")
 
     def _unstream(self, group: int, w: Watched, value: torch.Tensor | None) -> None:
         """Stop streaming `w`'s entry: it becomes resident at `value` (None: at what the model bound in
@@ -245,6 +267,9 @@ class StreamEngine:
         `restore()` see what the model holds); return the names of those written in place outside any
         block's forward (their writes went to staging buffers)."""
         self._restream_returned()
+        if self._peft_changed():
+            warnings.warn("weightstream: " + self._undo_peft() + " Merge adapters inside `with "
+                          "handle.edit():`.", stacklevel=3)
         return [w.entry.name for w in self._adopt_rebound(self.watch.all_changes())]
 
     def _restream_returned(self) -> None:

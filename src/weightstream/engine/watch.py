@@ -42,6 +42,7 @@ class Watched:
     tensor: torch.Tensor
     version: int
     ptr: int
+    view: torch.Tensor | None = None  # the installed memory (an alias of the tensor as installed)
 
     def change(self) -> str | None:
         """WRITTEN, REBOUND or None (nothing changed)."""
@@ -66,7 +67,8 @@ class TensorWatch:
 
     def __init__(self, groups: list[list[tuple[Entry, object]]]) -> None:
         self.groups: list[list[Watched]] = [
-            [Watched(e, e.tensor, e.tensor._version, e.tensor.data_ptr()) for e, _ in group if e.flat is None]
+            [Watched(e, e.tensor, e.tensor._version, e.tensor.data_ptr(), e.tensor.detach())
+             for e, _ in group if e.flat is None]
             for group in groups
         ]
 
@@ -87,6 +89,13 @@ class TensorWatch:
         """Take `w`'s present version as its own again (after a refused write was discarded)."""
         w.version = w.tensor._version
 
+    def revert(self, w: Watched) -> None:
+        """Point `w`'s tensor back at its installed memory where `.data = other` moved it (a site that
+        binds another object is left as it is), and take its present version as its own."""
+        if w.tensor.data_ptr() != w.ptr and w.view is not None:
+            w.tensor.data = w.view
+        w.version = w.tensor._version
+
     def drop(self, group: int, w: Watched) -> None:
         """Stop watching `w`: its entry no longer streams."""
         self.groups[group].remove(w)
@@ -102,10 +111,11 @@ def holds_again(w: Watched) -> bool:
     return all(_at(site) is w.tensor for site in w.entry.sites) and w.tensor.data_ptr() == w.ptr
 
 
-def peft_layers(model: nn.Module, streamed: set[int]) -> dict[nn.Module, int]:
+def peft_layers(model: nn.Module, streamed: set[int]) -> dict[nn.Module, list]:
     """PEFT tuner layers (modules with a `merged_adapters` list) whose base layer's weight streams (its id
-    in `streamed`), with their number of merged adapters now. Their `merge()`/`unmerge()` write the base
-    weight through `.data`, which no version counter sees."""
+    in `streamed`), with a copy of their list of merged adapters now. Their `merge()`/`unmerge()` write
+    the base weight through `.data` (in place, or `safe_merge` by rebinding it to a merged copy), which
+    no version counter sees."""
     found = {}
     for module in model.modules():
         merged = getattr(module, "merged_adapters", None)
@@ -114,5 +124,5 @@ def peft_layers(model: nn.Module, streamed: set[int]) -> dict[nn.Module, int]:
             continue
         weight = getattr(base(), "weight", None)
         if weight is not None and id(weight) in streamed:
-            found[module] = len(merged)
+            found[module] = list(merged)
     return found
