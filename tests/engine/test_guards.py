@@ -290,3 +290,97 @@ def test_on_the_gpu_state_dict_parameters_and_save_give_the_true_weights(strateg
     handle.restore()
     assert_same_tensors(model.state_dict(), state_copy(ref))
     assert_same_tensors(before, state_copy(ref))  # what was handed out stays valid after restore
+
+
+# --- tensors rebound, shared, or given gradients after offload ------------------------------------------
+
+@pytest.mark.parametrize("how", ["data", "parameter"])
+def test_a_zero_copy_weight_rebound_after_offload_is_what_state_dict_parameters_and_restore_give(how):
+    """`module.weight.data = new` (as PEFT's safe_merge does) or `module.weight = nn.Parameter(new)` on
+    weights read in place: the forward reads the new tensor, and so do state_dict(), parameters() and
+    restore() (they gave the old arena bytes), as on the resident model."""
+    ref, model, handle = offloaded(strategy="uva")
+    assert handle.placement.uva
+
+    def rebind(module):
+        if isinstance(module, torch.nn.Linear) and module.out_features == 96:  # the MLP's up and gate
+            new = torch.randn_like(module.weight)
+            if how == "data":
+                module.weight.data = new
+            else:
+                module.weight = torch.nn.Parameter(new, requires_grad=False)
+
+    for m in (ref, model):
+        torch.manual_seed(3)
+        m.apply(rebind)
+    with torch.no_grad():
+        assert torch.equal(model(ids_for()).logits, ref(ids_for()).logits)
+    assert_same_tensors(model.state_dict(), state_copy(ref))
+    assert_same_tensors(dict(model.named_parameters()), dict(ref.named_parameters()))
+    handle.restore()
+    assert_same_tensors(model.state_dict(), state_copy(ref))
+    with torch.no_grad():
+        assert torch.equal(model(ids_for(1)).logits, ref(ids_for(1)).logits)
+
+
+def test_a_tensor_another_offloaded_model_holds_is_refused_and_free_once_that_one_is_restored():
+    """Two models sharing one Parameter object: offloading the second moved the shared object's memory
+    to its own slot, so both read the wrong bytes. Refused, naming the tensor; once the first is
+    restored the second offloads and both are exact."""
+    ref_a, a = make_model("llama"), make_model("llama")
+    b = make_model("llama", seed=2)
+    b.model.layers[3].mlp.up_proj.weight = a.model.layers[3].mlp.up_proj.weight  # shared before offload
+    ref_b = copy.deepcopy(b)
+    ref_b.model.layers[3].mlp.up_proj.weight = ref_a.model.layers[3].mlp.up_proj.weight
+    handle_a = ws.offload(a, gpu_memory=int(weight_bytes(a) * 0.45), device="cpu", strategy="stream")
+    with torch.no_grad():
+        a(ids_for())  # its slots now hold other blocks' bytes
+    with pytest.raises(ws.OffloadStateError, match="model.layers.3.mlp.up_proj.weight is the very tensor"):
+        ws.offload(b, gpu_memory=int(weight_bytes(b) * 0.45), device="cpu", strategy="stream")
+    with torch.no_grad():
+        assert torch.equal(a(ids_for()).logits, ref_a(ids_for()).logits)
+    handle_a.restore()
+    handle_b = ws.offload(b, gpu_memory=int(weight_bytes(b) * 0.45), device="cpu", strategy="stream")
+    with torch.no_grad():
+        assert torch.equal(b(ids_for()).logits, ref_b(ids_for()).logits)
+    handle_b.restore()
+    with torch.no_grad():
+        assert torch.equal(a(ids_for()).logits, ref_a(ids_for()).logits)
+        assert torch.equal(b(ids_for()).logits, ref_b(ids_for()).logits)
+
+
+@pytest.mark.parametrize("how", ["attribute", "method"])
+def test_turning_on_the_gradient_of_a_weight_parameters_gave_is_refused(how):
+    """The forward reads the slots, not the tensor parameters() gives for a weight kept off the GPU, so
+    its gradient would stay None where the resident model's is computed: refused."""
+    ref, model, handle = offloaded()
+    off_gpu = [p for p in model.parameters() if type(p).__name__ == "TrueWeight"]
+    assert off_gpu
+    with pytest.raises(ws.InferenceOnlyError, match="inference only"):
+        if how == "attribute":
+            off_gpu[0].requires_grad = True
+        else:
+            off_gpu[0].requires_grad_()
+    off_gpu[0].requires_grad_(False)  # turning it off is what it is already: allowed
+    with torch.no_grad():
+        assert torch.equal(model(ids_for()).logits, ref(ids_for()).logits)
+
+
+@pytest.mark.parametrize("assign", [False, True])
+def test_loading_through_a_wrapper_made_after_offload_is_refused_before_anything_is_written(assign):
+    """`nn.ModuleDict({"lm": model}).load_state_dict(...)` reaches the model through its own
+    `_load_from_state_dict`: refused as `model.load_state_dict` is, before any of its tensors (resident
+    ones included) is written, so the model stays exact."""
+    ref, model, handle = offloaded()
+    other = make_model("llama", seed=5)
+    wrapper = torch.nn.ModuleDict({"lm": model})
+    with pytest.raises(ws.OffloadStateError, match="load_state_dict would write"):
+        wrapper.load_state_dict({"lm." + k: v.clone() for k, v in other.state_dict().items()}, assign=assign)
+    with torch.no_grad():
+        assert torch.equal(model(ids_for()).logits, ref(ids_for()).logits)
+    assert_same_tensors(model.state_dict(), state_copy(ref))
+    assert id(model.lm_head.weight) not in handle.engine.guards._true  # outside the blocks: resident
+    wrapper.load_state_dict({"lm.lm_head.weight": other.lm_head.weight.clone()}, strict=False)
+    ref.lm_head.weight.data.copy_(other.lm_head.weight)  # a resident tensor loads as torch does
+    with torch.no_grad():
+        assert torch.equal(model(ids_for()).logits, ref(ids_for()).logits)

@@ -68,8 +68,11 @@ class StreamEngine:
         self.budget = prep.budget
         self.state_bytes = 0  # bytes of streamed tensors the model writes, kept resident since
         self.state_names: list[str] = []  # their names (edit() keeps them resident when it offloads again)
-        self.watch = TensorWatch(prep.groups)
-        # streamed tensors the model rebound, adopted: (group, record, slice); one bound again (as
+        # the streamed groups' tensors, then the zero-copy groups' (group len(groups) + j: as the arena
+        # and the guards number them); a zero-copy tensor is its true memory, so a write to it is one to
+        # the weight, as on the resident model, and only its rebinding matters
+        self.watch = TensorWatch(prep.groups + prep.uva_groups)
+        # tensors kept off the GPU the model rebound, adopted: (group, record, slice); one bound again (as
         # torch.func.functional_call puts the originals back) streams again (`_restream_returned`)
         self.rebound: list[tuple[int, Watched, object]] = []
         # the block of each module: a module holding a streamed tensor registered in another block is
@@ -232,7 +235,9 @@ class StreamEngine:
         merged adapters go back to what they were, so weights and adapters agree again. Returns what
         happened, for an error or a warning."""
         layers = self._peft_changed()
-        for _, w, change in self.watch.all_changes():
+        for g, w, change in self.watch.all_changes():
+            if g >= len(self.groups):
+                continue  # zero copy: the arena is the weights' memory; left to `_adopt_rebound`
             if change == REBOUND and all(_at(site) is w.tensor for site in w.entry.sites):
                 self.watch.revert(w)  # `.data = merged copy`: back to its slot
             elif change != REBOUND:
@@ -250,9 +255,10 @@ class StreamEngine:
         """Stop streaming `w`'s entry: it becomes resident at `value` (None: at what the model bound in
         its place). Its bytes stay in the group's layout, unread."""
         entry = w.entry
+        members = self._members(group)
         if value is None:  # rebound: adopted, unless the model binds this tensor again
-            self.rebound.extend((group, w, sl) for e, sl in self.groups[group] if e is entry)
-        self.groups[group][:] = [(e, sl) for e, sl in self.groups[group] if e is not entry]
+            self.rebound.extend((group, w, sl) for e, sl in members if e is entry)
+        members[:] = [(e, sl) for e, sl in members if e is not entry]
         self.watch.drop(group, w)
         self.guards.forget(w.tensor)
         if value is not None:
@@ -281,17 +287,25 @@ class StreamEngine:
             if holds_again(w):
                 self.rebound.remove(item)
                 w.entry.tensor = w.tensor
-                self.groups[group].append((w.entry, sl))
+                self._members(group).append((w.entry, sl))
                 self.watch.restore(group, w)
                 self.guards.remember_true(w.tensor, (w.entry, group, sl))
 
+    def _members(self, group: int) -> list:
+        """The (entry, slice) list of `group` as the watch numbers groups: streamed, then zero copy."""
+        n = len(self.groups)
+        return self.groups[group] if group < n else self.uva_groups[group - n]
+
     def _adopt_rebound(self, found: list[tuple[int, Watched, str]]) -> list[Watched]:
         """Adopt each rebound tensor of `found` ((group, watched, change) triples, as
-        `TensorWatch.all_changes` gives them); return those written in place instead."""
+        `TensorWatch.all_changes` gives them); return the streamed ones written in place instead (a
+        write to a zero-copy tensor went to its true memory, the pinned arena: taken as it is)."""
         written = []
         for g, w, change in found:
             if change == REBOUND:
                 self._unstream(g, w, None)
+            elif g >= len(self.groups):
+                self.watch.accept(w)
             else:
                 written.append(w)
         return written

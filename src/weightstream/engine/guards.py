@@ -32,6 +32,18 @@ from ..errors import InferenceOnlyError, OffloadStateError
 from ..formats.checkpoint import read_into
 from .ops import INFERENCE_ONLY
 
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # the guards of every offloaded model not yet restored
+
+
+def held_by(tensor: torch.Tensor) -> str | None:
+    """The class name of the offloaded (not yet restored) model that holds `tensor` itself, the very
+    object, as a parameter or buffer; None where none does."""
+    for guards in list(_LIVE):
+        ref = guards.held.get(id(tensor))
+        if ref is not None and ref() is tensor:
+            return guards.model_name
+    return None
+
 
 class ModelGuards:
     """The guards of one offloaded model; `remove()` takes them all off again (from `restore`)."""
@@ -39,6 +51,11 @@ class ModelGuards:
     def __init__(self, engine, model) -> None:
         self.engine = engine
         self.modules = list(model.modules())
+        self.model_name = type(model).__name__
+        # every tensor object the model holds (`held_by`: another model holding one is refused)
+        self.held = {id(t): weakref.ref(t) for m in self.modules
+                     for t in (*m._parameters.values(), *m._buffers.values()) if t is not None}
+        _LIVE.add(self)
         self.training = [m.training for m in self.modules]
         self.grads = [p for p in model.parameters() if p.requires_grad]
         self._true = self._true_tensors()
@@ -58,10 +75,19 @@ class ModelGuards:
         self._hooks.append(model.register_state_dict_pre_hook(lambda *args: self.engine.settle()))
         # the model's own hook runs after every submodule's: the decoded group is not kept afterwards
         self._hooks.append(model.register_state_dict_post_hook(lambda *args: self.forget_decoded()))
+        # a wrapper made after offload (get_peft_model, nn.Sequential) loads through the model's own
+        # _load_from_state_dict, whose pre-hook runs before any of the model's tensors is written
+        self._hooks.append(model.register_load_state_dict_pre_hook(self._load_hook))
         for module in self.modules:
             for name, method in _PATCHES.items():
                 module.__dict__[name] = types.MethodType(method, module)  # past nn.Module.__setattr__
             module.__dict__["_ws_guards"] = self
+
+    def _load_hook(self, module, state_dict, prefix, *args) -> None:
+        """Refuse a load reaching the model from a module above it that names a tensor kept off the GPU
+        (as `load_state_dict` on the model itself does), before anything in the model is written."""
+        _refuse_loading_off_gpu(module, {key.removeprefix(prefix) for key in state_dict
+                                         if key.startswith(prefix)}, self)
 
     def _off_gpu(self):
         """(entry, arena region, slice) of every tensor kept off the GPU: the streamed groups' (regions
@@ -148,6 +174,7 @@ class ModelGuards:
     def remove(self) -> None:
         """Take every guard off, give each parameter its `requires_grad` back and each module its
         training mode."""
+        _LIVE.discard(self)
         for hook in self._hooks:
             hook.remove()
         for module in self.modules:
@@ -189,7 +216,9 @@ def _guarded_requires_grad(self, requires_grad: bool = True):
 class TrueWeight(nn.Parameter):
     """What `parameters()` gives for a weight kept off the GPU: its true bytes as a parameter (a view of
     its host memory, or a copy). Giving it other memory (`p.data = other`, as vector_to_parameters
-    does) is refused: on a resident model that replaces the weight, here it would reach nothing."""
+    does) is refused: on a resident model that replaces the weight, here it would reach nothing. So is
+    turning its gradient on (`p.requires_grad = True`, `p.requires_grad_()`): the forward reads the
+    staging slots, not this tensor, so it would get no gradient where the resident model's weight does."""
 
     def __setattr__(self, name, value):
         if name == "data":
@@ -198,7 +227,14 @@ class TrueWeight(nn.Parameter):
                 "weight's true bytes, and giving it other memory (`.data = ...`, as "
                 "torch.nn.utils.vector_to_parameters does) would not reach the model. Edit weights in "
                 "place inside `with handle.edit():`, or call handle.restore() first")
+        if name == "requires_grad" and value:
+            raise InferenceOnlyError(INFERENCE_ONLY.format(what="requires_grad = True on its weights"))
         super().__setattr__(name, value)
+
+    def requires_grad_(self, requires_grad: bool = True):
+        if requires_grad:
+            raise InferenceOnlyError(INFERENCE_ONLY.format(what="requires_grad_() on its weights"))
+        return super().requires_grad_(False)
 
 
 def _true_members(self, members: Iterator[tuple[str, torch.Tensor]], is_param: bool):
@@ -230,19 +266,23 @@ def _guarded_named_buffers(self, prefix: str = "", recurse: bool = True, remove_
 def _guarded_load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
     """Load as torch does where no key names a tensor kept off the GPU (LoRA adapters added after
     offload, resident weights); refuse where one does: it would write into a staging buffer."""
-    guards = self.__dict__["_ws_guards"]
-    held = dict(nn.Module.named_parameters(self, remove_duplicate=False))
-    held.update(nn.Module.named_buffers(self, remove_duplicate=False))
-    off_gpu = [key for key in state_dict if key in held and id(held[key]) in guards._true]
+    _refuse_loading_off_gpu(self, state_dict, self.__dict__["_ws_guards"])
+    return nn.Module.load_state_dict(self, state_dict, strict=strict, assign=assign)
+
+
+def _refuse_loading_off_gpu(module: nn.Module, keys, guards: ModelGuards) -> None:
+    """OffloadStateError where a key of `keys` (relative to `module`) names a tensor kept off the GPU."""
+    held = dict(nn.Module.named_parameters(module, remove_duplicate=False))
+    held.update(nn.Module.named_buffers(module, remove_duplicate=False))
+    off_gpu = [key for key in keys if key in held and id(held[key]) in guards._true]
     if off_gpu:
         raise OffloadStateError(
-            f"{type(self).__name__} is offloaded by weightstream: load_state_dict would write "
+            f"{type(module).__name__} is offloaded by weightstream: load_state_dict would write "
             f"{off_gpu[0]}{f' and {len(off_gpu) - 1} more' if len(off_gpu) > 1 else ''} into staging buffers "
             "that the next copy overwrites. Load them inside `with handle.edit():`, or call "
             "handle.restore() first, load, then offload again (a state dict of other tensors, such as "
             "LoRA adapters, loads as it is)"
         )
-    return nn.Module.load_state_dict(self, state_dict, strict=strict, assign=assign)
 
 
 def _guarded_deepcopy(self, memo):

@@ -15,6 +15,7 @@ from torch import nn
 
 from ..config import OffloadConfig, config_of
 from ..devices import resolve_device
+from ..engine.guards import held_by
 from ..engine.host import HostArena
 from ..errors import ArgumentError, OffloadStateError
 from ..sizes import format_size
@@ -98,6 +99,14 @@ def _check_model(model: nn.Module, blocks, entries: list[Entry], allow_meta: boo
         raise OffloadStateError(f"weightstream cannot stream this model's blocks: {replaced}")
     for entry in entries:
         site = entry.sites[0]
+        owner = held_by(entry.tensor)
+        if owner is not None:
+            raise OffloadStateError(
+                f"{entry.name} is the very tensor object an offloaded {owner} holds as one of its weights: "
+                "weightstream moves each offloaded tensor's bytes into its own staging and host memory, so "
+                "two offloaded models cannot share one. Give this model its own copy (e.g. "
+                "nn.Parameter(t.detach().clone())), offload the two as one module, or restore the other "
+                "first")
         if entry.tensor.is_meta and not allow_meta:
             raise OffloadStateError(
                 f"{type(site.module).__name__}.{site.name} is on the meta device: load the weights first "
