@@ -407,7 +407,8 @@ class StreamEngine:
                     raise OffloadStateError(
                         f"{entry.name} streams through a staging buffer that other blocks share: "
                         f"registering a module that holds it as {type(parent).__name__}.{name}, outside "
-                        "its own block, would read it there. Share modules before offload(), or inside "
+                        "its own block, would read it there. Share modules, or drop, reorder or "
+                        "replace blocks (model.layers = model.layers[:n]), before offload() or inside "
                         "`with handle.edit():`")
         if block is not None:
             for sub in module.modules():
