@@ -26,6 +26,7 @@ from .sizes import format_size, parse_size
 from .speculative import GenerationStats
 from .speculative import generate as speculative_generate
 from .speculative.budget import DraftSplit, plan_split
+from .speculative.checks import check_generation_config, unapplied_settings
 from .speculative.draft import DRAFT_NAMES
 from .speculative.tree import parse_tree
 
@@ -140,9 +141,10 @@ def generate_text(
     end.
     cpu_memory: host memory for the offloaded weights, bytes or "16GiB", as for `from_pretrained` (None:
     no limit; groups beyond it are read from the checkpoint files every forward). Raises ArgumentError
-    for an empty prompt or fewer than one new token, CheckpointError for a checkpoint of a model that
-    does not generate text (an encoder such as BertModel), BudgetError for a draft that does not fit
-    beside the model."""
+    for an empty prompt or fewer than one new token, or with `speculate` for a generation_config.json
+    setting speculative decoding does not apply (repetition_penalty...; the text would differ from plain
+    decoding's), CheckpointError for a checkpoint of a model that does not generate text (an encoder
+    such as BertModel), BudgetError for a draft that does not fit beside the model."""
     if not prompt:
         raise ArgumentError("--prompt is empty: give the text to continue, e.g. --prompt 'Hello'")
     if max_new_tokens < 1:
@@ -156,13 +158,6 @@ def generate_text(
     folder = checkpoint_folder(path)
     _check_generates(model_class(read_config(folder), folder), folder)  # before the tokenizer or weights
     tokenizer = _load_tokenizer(path)
-    split = None
-    if speculate is not None and speculate != "prompt-lookup":  # the draft's weights in the same budget
-        gpu_memory, split = _split_budget(folder, gpu_memory, speculate, dtype, device, cpu_memory)
-        if echo:
-            print(f"budget split: {split}", file=sys.stderr, flush=True)
-    model = from_pretrained(path, gpu_memory, cpu_memory=cpu_memory, dtype=dtype, device=device)
-    handle = handle_of(model)
     if chat:
         if not getattr(tokenizer, "chat_template", None):
             raise CheckpointError(f"{path}: the tokenizer has no chat template; drop --chat")
@@ -170,6 +165,15 @@ def generate_text(
                                             return_tensors="pt", return_dict=True)["input_ids"]
     else:
         ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    if speculate is not None:  # before the weights load
+        _check_speculative_generation_config(folder, ids.shape[1])
+    split = None
+    if speculate is not None and speculate != "prompt-lookup":  # the draft's weights in the same budget
+        gpu_memory, split = _split_budget(folder, gpu_memory, speculate, dtype, device, cpu_memory)
+        if echo:
+            print(f"budget split: {split}", file=sys.stderr, flush=True)
+    model = from_pretrained(path, gpu_memory, cpu_memory=cpu_memory, dtype=dtype, device=device)
+    handle = handle_of(model)
     ids = ids.to(handle.device)
     if speculate is not None:
         return _speculate(model, tokenizer, ids, speculate, width, depth, max_new_tokens, compile, echo)
@@ -192,6 +196,23 @@ def generate_text(
         pinned_bytes=handle.stats.pinned_bytes,
         disk_bytes=handle.stats.disk_bytes,
     )
+
+
+def _check_speculative_generation_config(folder: Path, prompt: int) -> None:
+    """ArgumentError where the checkpoint's generation_config.json sets what changes greedy tokens and
+    speculative generation does not apply (repetition_penalty, no_repeat_ngram_size...), naming each
+    setting; `prompt`: the prompt's tokens. A checkpoint without the file is checked by `ws.generate`."""
+    from transformers import GenerationConfig
+
+    if not (folder / "generation_config.json").is_file():
+        return
+    config = GenerationConfig.from_pretrained(folder, local_files_only=True)
+    found = unapplied_settings(config, prompt, stops=config.eos_token_id is not None, do_sample=False)
+    json = {"None": "null", "False": "false"}
+    settings = ", ".join(f'"{name}": {json.get(default, default)}' for name, (_, default) in found.items())
+    check_generation_config(config, prompt, config.eos_token_id is not None, do_sample=False, remedy=(
+        f"generate without --speculate (plain decoding applies {'them' if len(found) > 1 else 'it'}), or set "
+        f"{settings} in {folder / 'generation_config.json'}"))
 
 
 def _split_budget(folder: Path, gpu_memory: int | str | OffloadConfig, speculate: str, dtype: str | None,

@@ -119,8 +119,11 @@ def test_a_draft_token_q_could_not_draw_is_never_accepted():
 
 
 @pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, None, None), (0.7, None, None), (1.0, 3, None),
-                                                        (1.0, None, 0.8), (0.5, 4, 0.9), (2.0, 50, 0.3)])
+                                                        (1.0, None, 0.8), (0.5, 4, 0.9), (2.0, 50, 0.3),
+                                                        (1.0, 0, None), (0.7, 0, 0.9), (1.0, None, 0.0)])
 def test_target_probabilities_equal_transformers_sampling(temperature, top_k, top_p):
+    """Temperature, then top-k, then top-p, as transformers' warpers; top_k 0 is no top-k, as transformers'
+    generate leaves its warper out."""
     from transformers.generation.logits_process import (
         LogitsProcessorList,
         TemperatureLogitsWarper,
@@ -130,7 +133,7 @@ def test_target_probabilities_equal_transformers_sampling(temperature, top_k, to
 
     logits = torch.randn(3, 17, generator=torch.Generator().manual_seed(1))
     warpers = LogitsProcessorList([TemperatureLogitsWarper(temperature)])
-    if top_k is not None:
+    if top_k:  # transformers' generate: `top_k is not None and top_k != 0`
         warpers.append(TopKLogitsWarper(top_k))
     if top_p is not None:
         warpers.append(TopPLogitsWarper(top_p))

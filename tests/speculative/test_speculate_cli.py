@@ -11,11 +11,11 @@ from weightstream.cli import main
 PROMPT = "w5 w9 w33 w17 w5 w9 w33 w17 w5 w9"
 
 
-def greedy_text(folder, tokenizer, n: int) -> str:
+def greedy_text(folder, tokenizer, n: int, **settings) -> str:
     reference = AutoModelForCausalLM.from_pretrained(folder).eval()
     ids = tokenizer(PROMPT, return_tensors="pt")["input_ids"]
     out = reference.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=0,
-                             attention_mask=torch.ones_like(ids))
+                             attention_mask=torch.ones_like(ids), **settings)
     return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
 
 
@@ -82,3 +82,29 @@ def test_speculation_mistakes_end_in_one_line_and_exit_2(checkpoint, tmp_path, c
         err = capsys.readouterr().err
         lines = [line for line in err.splitlines() if line.startswith("weightstream generate: ")]
         assert len(lines) == 1 and message in lines[0], err
+
+
+def test_a_generation_config_setting_speculation_does_not_apply_is_one_line_and_exit_2(checkpoint, capsys):
+    """A checkpoint whose generation_config.json sets repetition_penalty: the plain path applies it (the
+    text of transformers' generate); --speculate, which does not, refuses in one line before the weights
+    load, naming the setting and what to change."""
+    from transformers import GenerationConfig
+
+    folder, tokenizer = checkpoint
+    config = GenerationConfig.from_pretrained(folder)
+    config.repetition_penalty = 1.8
+    config.save_pretrained(folder)
+    want = greedy_text(folder, tokenizer, 10)
+    assert want != greedy_text(folder, tokenizer, 10, repetition_penalty=1.0)  # the setting changes the text
+    assert run(folder) == 0
+    assert want.strip() in capsys.readouterr().out
+    for draft in ("prompt-lookup", "self"):
+        assert run(folder, "--speculate", draft, "--tree", "2x3") == 2
+        captured = capsys.readouterr()
+        assert not captured.out and "Loading weights" not in captured.err
+        err = captured.err.strip()
+        assert len(err.splitlines()) == 1, err
+        assert err.startswith("weightstream generate: the model's generation_config sets "
+                              "repetition_penalty=1.8")
+        assert "without --speculate" in err and '"repetition_penalty": 1.0 in ' in err
+

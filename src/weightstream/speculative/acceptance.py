@@ -27,9 +27,9 @@ def target_probs(logits: torch.Tensor, temperature: float = 1.0, top_k: int | No
                  top_p: float | None = None) -> torch.Tensor:
     """(n, vocab) float32 probabilities of sampling from `logits` (n, vocab) as transformers' generate
     does: divided by `temperature`, then kept to the `top_k` largest, then to the smallest set whose
-    probability reaches `top_p`."""
+    probability reaches `top_p`. top_k 0 or None, top_p 1 or None: not applied (as transformers)."""
     scores = logits.float() / temperature
-    if top_k is not None and top_k < scores.shape[-1]:
+    if top_k and top_k < scores.shape[-1]:
         kth = torch.topk(scores, top_k, dim=-1).values[..., -1:]
         scores = scores.masked_fill(scores < kth, float("-inf"))
     if top_p is not None and top_p < 1.0:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import math
 import re
 from dataclasses import dataclass
 
@@ -151,3 +152,154 @@ def generation_bytes(model, draft_model, length: int, tree_tokens: int, vocab: i
     if draft_model is not None:
         need += kv_bytes(draft_model.config, length, draft_model.dtype)
     return need + tree_tokens * vocab * (model.dtype.itemsize + 2 * torch.float32.itemsize)
+
+
+def _neutral(value) -> bool:
+    """Unset, or empty: a logits setting that changes nothing."""
+    return value is None or (isinstance(value, (list, tuple, dict)) and not value)
+
+
+# generation_config settings that change which token transformers' generate picks and that speculative
+# generation does not apply: name -> (what leaves the tokens as they are, for the message; its test)
+UNAPPLIED_SETTINGS = {
+    "repetition_penalty": ("1.0", lambda v: _neutral(v) or v == 1.0),
+    "encoder_repetition_penalty": ("1.0", lambda v: _neutral(v) or v == 1.0),
+    "no_repeat_ngram_size": ("0", lambda v: _neutral(v) or v <= 0),
+    "encoder_no_repeat_ngram_size": ("0", lambda v: _neutral(v) or v <= 0),
+    "bad_words_ids": ("None", _neutral),
+    "sequence_bias": ("None", _neutral),
+    "suppress_tokens": ("None", _neutral),
+    "begin_suppress_tokens": ("None", _neutral),
+    "forced_eos_token_id": ("None", _neutral),
+    "guidance_scale": ("None", lambda v: _neutral(v) or v == 1),
+    "remove_invalid_values": ("False", lambda v: v is not True),
+    "watermarking_config": ("None", _neutral),
+    "num_beams": ("1", lambda v: _neutral(v) or v <= 1),
+}
+# the same for the samplers transformers applies only with do_sample (temperature, top_k and top_p are
+# generate's own arguments)
+UNAPPLIED_SAMPLING_SETTINGS = {
+    "min_p": ("None", _neutral),
+    "top_h": ("None", _neutral),
+    "typical_p": ("1.0", lambda v: _neutral(v) or v >= 1.0),
+    "epsilon_cutoff": ("0.0", lambda v: _neutral(v) or not 0.0 < v < 1.0),
+    "eta_cutoff": ("0.0", lambda v: _neutral(v) or not 0.0 < v < 1.0),
+}
+
+
+def unapplied_settings(generation_config, prompt: int, stops: bool, do_sample: bool) -> dict[str, tuple]:
+    """The settings of `generation_config` (a transformers GenerationConfig, or None) that would change
+    the tokens of transformers' generate and that speculative generation does not apply: name -> (its
+    value, the value that leaves the tokens as they are). prompt: the prompt's tokens (min_length counts
+    them; forced_bos_token_id acts after one token only); stops: whether the generation has a stop token
+    (min_length, min_new_tokens and exponential_decay_length_penalty act on it alone)."""
+    if generation_config is None:
+        return {}
+    found = {}
+    table = UNAPPLIED_SETTINGS | (UNAPPLIED_SAMPLING_SETTINGS if do_sample else {})
+    for name, (default, neutral) in table.items():
+        value = getattr(generation_config, name, None)
+        if not neutral(value):
+            found[name] = (value, default)
+    forced_bos = getattr(generation_config, "forced_bos_token_id", None)
+    if forced_bos is not None and prompt == 1:  # transformers forces it after a one-token prompt only
+        found["forced_bos_token_id"] = (forced_bos, "None")
+    if stops:  # these only hold the stop tokens back or push them forward
+        for name, floor in (("min_new_tokens", 0), ("min_length", prompt)):
+            value = getattr(generation_config, name, None)
+            if value is not None and value > floor:
+                found[name] = (value, "None")
+        decay = getattr(generation_config, "exponential_decay_length_penalty", None)
+        if decay is not None:
+            found["exponential_decay_length_penalty"] = (decay, "None")
+    return found
+
+
+def check_generation_config(generation_config, prompt: int, stops: bool, do_sample: bool,
+                            remedy: str | None = None) -> None:
+    """ArgumentError naming every setting of `generation_config` that would change transformers'
+    tokens and that speculative generation does not apply (`unapplied_settings`), each with its value.
+    remedy: what to change, where the default (`model.generate()`, or the model's generation_config set
+    to the neutral values) does not fit the caller."""
+    found = unapplied_settings(generation_config, prompt, stops, do_sample)
+    if not found:
+        return
+    given = ", ".join(f"{name}={value!r}" for name, (value, _) in found.items())
+    reset = "; ".join(f"model.generation_config.{name} = {default}" for name, (_, default) in found.items())
+    it = "them" if len(found) > 1 else "it"
+    remedy = remedy or f"generate with model.generate(), or set {reset} to generate without {it}"
+    raise ArgumentError(
+        f"the model's generation_config sets {given}: transformers' generate applies {it} and speculative "
+        "generation (a static KV cache and tree verification) does not, so the tokens would differ; "
+        f"{remedy}")
+
+
+def check_sampling(do_sample: bool, temperature, top_k, top_p) -> None:
+    """ArgumentError for a temperature (with do_sample), top_k or top_p that transformers' generate would
+    refuse: temperature a number above 0, top_k an integer of at least 0 (0: no top-k, as
+    transformers), top_p a number in [0, 1]."""
+    if do_sample and (isinstance(temperature, bool) or not isinstance(temperature, (int, float))
+                      or not temperature > 0 or not math.isfinite(temperature)):
+        raise ArgumentError(f"temperature={temperature!r}: sample at a temperature above 0, or "
+                            "do_sample=False")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0):
+        raise ArgumentError(f"top_k={top_k!r}: give the number of most likely tokens to sample from, an "
+                            "integer of at least 1 (0 or None: no top-k)")
+    if top_p is not None and (isinstance(top_p, bool) or not isinstance(top_p, (int, float))
+                              or not 0.0 <= top_p <= 1.0):
+        raise ArgumentError(f"top_p={top_p!r}: give the probability mass to sample from, a number in "
+                            "[0, 1] (1 or None: no top-p)")
+
+
+def _rope_parameters(config) -> list[dict]:
+    """The rotary settings of `config` (transformers 5's `rope_parameters`, else `rope_scaling`), one dict
+    per layer type where they are given per layer type."""
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    if not isinstance(rope, dict):
+        return []
+    nested = [value for value in rope.values() if isinstance(value, dict)]
+    return nested or [rope]
+
+
+def _uses_alibi(config) -> bool:
+    """Whether `config` is of a model that adds ALiBi biases to its attention scores (BLOOM; Falcon and
+    MPT where they say so)."""
+    attn = getattr(config, "attn_config", None)
+    attn_alibi = attn.get("alibi") if isinstance(attn, dict) else getattr(attn, "alibi", False)
+    return (getattr(config, "model_type", None) == "bloom" or getattr(config, "alibi", False) is True
+            or attn_alibi is True or getattr(config, "position_embedding_type", None) == "alibi")
+
+
+def check_positions(model, prompt: int, positions: int, tree: bool) -> None:
+    """ArgumentError for a model whose positions speculative generation cannot give as transformers'
+    generate does: local attention layers that find their window from the cache's last slots (GPT-Neo);
+    ALiBi biases indexed by cache slot, with a tree (`tree`: a pass verifies more than one token; one
+    token a pass writes each token at the slot of its position); LongRoPE factors that switch from short
+    to long at `original_max_position_embeddings` within the generation (a prompt of `prompt` tokens
+    reaching position `positions`), where transformers' generate computes the whole cache again."""
+    config = model.config
+    name = type(model).__name__
+    layers = getattr(config, "attention_layers", None) or ()
+    if "local" in layers:
+        raise ArgumentError(
+            f"the model ({name}) has local attention layers (attention_layers {list(layers)}) that cut their "
+            "window from the last slots of the KV cache, not from the tokens' positions: speculative "
+            "generation over a static cache would change its tokens; generate with model.generate() instead")
+    if tree and _uses_alibi(config):
+        raise ArgumentError(
+            f"the model ({name}) adds ALiBi attention biases by cache slot, and a drafted tree's tokens sit "
+            "at slots other than their positions: verifying a tree would change its tokens; generate with "
+            "draft=None (one token a pass) or with model.generate() instead")
+    for rope in _rope_parameters(config):
+        if rope.get("rope_type", rope.get("type")) != "longrope":
+            continue
+        switch = rope.get("original_max_position_embeddings") or getattr(
+            config, "original_max_position_embeddings", None)
+        if switch is not None and prompt <= switch < positions:
+            raise ArgumentError(
+                f"the model ({name}) scales its rotary embedding with LongRoPE, whose factors switch at "
+                f"{switch} positions (original_max_position_embeddings), and this generation crosses it "
+                f"(a prompt of {prompt} tokens reaching position {positions}): transformers' generate then "
+                "computes the whole KV cache again with the long factors, which speculative generation "
+                f"does not; keep the prompt, max_new_tokens and the tree's depth within {switch} positions "
+                f"together, give a prompt longer than {switch} tokens, or generate with model.generate()")

@@ -26,8 +26,11 @@ from .cache import TreeCache
 from .checks import (
     check_causal_lm,
     check_draft_vocabulary,
+    check_generation_config,
     check_length,
     check_memory,
+    check_positions,
+    check_sampling,
     check_tree_argument,
     generation_bytes,
     max_depth,
@@ -221,9 +224,16 @@ def generate(
     the GPU's free memory; no limit on the CPU). output_logits: keep the logits each token was chosen from.
     progress: a tqdm bar with tokens/s.
 
+    Settings of `model.generation_config` that change transformers' tokens other than eos_token_id
+    (repetition_penalty, no_repeat_ngram_size, suppress_tokens, bad_words_ids, sequence_bias,
+    min_new_tokens, forced_eos_token_id, num_beams...: `checks.UNAPPLIED_SETTINGS`) are not applied, so
+    they are refused.
+
     Raises ArgumentError for a model that is not a causal LM, a draft of another vocabulary, a tree or
-    length the model cannot take; BudgetError where the caches (and a self-draft's copies) do not fit
-    (with the bytes they need).
+    length the model cannot take, a generation_config setting it does not apply, a sampling argument
+    transformers refuses, positions it cannot give as transformers does (GPT-Neo's local layers, ALiBi
+    with a tree, LongRoPE crossing its switch); BudgetError where the caches (and a self-draft's copies)
+    do not fit (with the bytes they need).
     """
     vocab = check_causal_lm(model)
     ids = input_ids.reshape(1, -1) if input_ids.dim() == 1 else input_ids
@@ -232,8 +242,9 @@ def generate(
                             "tokens) or (tokens,); speculative generation runs batch 1")
     if max_new_tokens < 1:
         raise ArgumentError(f"max_new_tokens={max_new_tokens}: generate at least 1 token")
-    if do_sample and temperature <= 0:
-        raise ArgumentError(f"temperature={temperature}: sample at a temperature above 0, or do_sample=False")
+    check_sampling(do_sample, temperature, top_k, top_p)
+    eos = _eos_ids(model, eos_token_id)
+    check_generation_config(getattr(model, "generation_config", None), ids.shape[1], bool(eos), do_sample)
     if generator is not None and generator.device.type != "cpu":
         raise ArgumentError(f"a generator on {generator.device}: acceptance draws on the host, give "
                             "torch.Generator() (on the CPU), seeded as you like")
@@ -261,7 +272,8 @@ def generate(
     if draft_model is not None:
         check_draft_vocabulary(vocab, check_causal_lm(draft_model, "draft"))
     prompt = ids[0].to("cpu", torch.long)
-    check_length(model.config, prompt.numel(), max_new_tokens, room_depth)
+    positions = check_length(model.config, prompt.numel(), max_new_tokens, room_depth)
+    check_positions(model, prompt.numel(), positions, tree=room_tokens > 1)
     if draft_model is not None:
         check_length(draft_model.config, prompt.numel(), max_new_tokens, room_depth)
     length = cache_length(prompt.numel(), max_new_tokens, room_tokens, room_depth, compile)
@@ -278,7 +290,6 @@ def generate(
         raise ArgumentError(f"the draft model is on {_device(draft_model)} and the model on {device}: move "
                             f"the draft to {device} (it stays resident)")
 
-    eos = _eos_ids(model, eos_token_id)
     cache = TreeCache(model.config.num_hidden_layers, length)
     forward = TreeForward(model, cache, device, model.dtype, compile)
     if self_draft is not None:

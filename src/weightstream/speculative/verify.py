@@ -114,11 +114,13 @@ class TreeForward:
         try:
             return self.run(tokens, positions, positions, causal_mask(start, count, self.cache.length),
                             compiled=False)
-        except RuntimeError as err:  # the model's own forward, eagerly: say which and what it was given
+        except Exception as err:  # the model's own forward, eagerly: say which and what it was given
             if isinstance(err, (WeightstreamError, torch.OutOfMemoryError)):
                 raise
+            first = (str(err).splitlines() or [""])[0][:160]  # a bare assert has no message
+            what = f"{type(err).__name__}: {first}" if first else type(err).__name__
             raise ArgumentError(
                 f"{type(self.model).__name__}'s forward failed over the static KV cache and 4-D attention "
-                f"mask that speculative generation gives it ({str(err).splitlines()[0][:160]}): its "
-                "transformers implementation does not run that way (transformers' DeepSeek-V2 does not); "
-                "generate with model.generate instead") from err
+                f"mask that speculative generation gives it ({what}): its transformers implementation does "
+                "not run that way (transformers' DeepSeek-V2 does not); generate with model.generate "
+                "instead") from err
