@@ -35,19 +35,6 @@ SHAPES = {
 
 
 @triton.jit
-def _gather(dst, src, dst_row, src_row, row_words, BLOCK: tl.constexpr):
-    i = tl.program_id(0)
-    c = tl.program_id(1)
-    d = tl.load(dst_row + i)
-    if d >= 0:
-        s = tl.load(src_row + i).to(tl.int64)
-        offs = c * BLOCK + tl.arange(0, BLOCK)
-        m = offs < row_words
-        v = tl.load(src + s * row_words + offs, mask=m)
-        tl.store(dst + d.to(tl.int64) * row_words + offs, v, mask=m)
-
-
-@triton.jit
 def _gather_routed(dst, src, routed, row_words, chunks, BLOCK: tl.constexpr):
     """A program per (routed expert, chunk): no programs for experts not routed."""
     p = tl.program_id(0)
@@ -119,8 +106,8 @@ def probe_tensor(name: str, experts: int, routed: torch.Tensor, dst_row: torch.T
         for warps in (4, 8, 16):
             grid = (experts, triton.cdiv(row_words, block))
             record[f"gather block {block} warps {warps}"] = rate(
-                lambda g=grid, b=block, w=warps: _gather[g](work64, words, dst_row, src_row, row_words,
-                                                          BLOCK=b, num_warps=w))
+                lambda g=grid, b=block, w=warps: expert_gather._copy_rows[g](
+                    work64, words, words, dst_row, src_row, which, row_words, BLOCK=b, num_warps=w))
     for block in (2048, 8192):
         chunks = triton.cdiv(row_words, block)
         record[f"gather routed-only block {block} warps 8"] = rate(

@@ -211,8 +211,14 @@ def test_offloaded_with_an_expert_cache_is_exact_while_it_fills_and_replaces(nam
     # a decode step (one token) and a longer prefill through the same caches
     for batch in (dict(inputs, input_ids=inputs["input_ids"][:, :1]), inputs_like(inputs, 9)):
         assert same(call(model, batch), call(ref, batch))
+    restores_true_state(handle, model, ref, inputs)
+
+
+def restores_true_state(handle, model, ref, inputs) -> None:
+    """The state dict holds the true values (not the work buffers), and after `restore()` the model is
+    exact and carries no pre-hook."""
     sd, ref_sd = model.state_dict(), ref.state_dict()
-    assert all(torch.equal(sd[k], ref_sd[k]) for k in ref_sd)  # true values, not the work buffers
+    assert all(torch.equal(sd[k], ref_sd[k]) for k in ref_sd)
     handle.restore()
     assert same(call(model, inputs), call(ref, inputs))
     assert not any(m._forward_pre_hooks for m in model.modules())

@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from model_zoo import ZOO, call, same
-from test_expert_cache import CACHED, inputs_like
+from test_expert_cache import CACHED, inputs_like, restores_true_state
 
 import weightstream as ws
 from weightstream.engine.expert_cache import CachedTensor, ExpertCopy, _runs
@@ -79,11 +79,7 @@ def test_offloaded_with_expert_copies_is_exact(name, skip_first):
         assert same(call(model, batch), call(ref, batch)), seed
     decode = dict(inputs, input_ids=inputs["input_ids"][:, :1])
     assert same(call(model, decode), call(ref, decode))
-    sd, ref_sd = model.state_dict(), ref.state_dict()
-    assert all(torch.equal(sd[k], ref_sd[k]) for k in ref_sd)  # true values, not the work buffers
-    handle.restore()
-    assert same(call(model, inputs), call(ref, inputs))
-    assert not any(m._forward_pre_hooks for m in model.modules())
+    restores_true_state(handle, model, ref, inputs)
 
 
 def test_the_experts_read_only_rows_copied_for_the_call():
