@@ -147,6 +147,25 @@ def test_seeded_sampling_repeats_and_follows_its_seed():
     assert not all(torch.equal(run(1), run(seed)) for seed in (2, 3, 4))
 
 
+def test_sampling_settings_not_given_are_the_models_generation_configs():
+    """As in transformers' generate: temperature, top_k and top_p not given come from the model's
+    generation_config (a sampled run with them set there equals one given them), and given ones win."""
+    model = make_model("llama")
+    ids = repetitive_prompt(6)
+
+    def run(**kwargs):
+        return ws.generate(model, ids, 12, draft=PromptLookup(), do_sample=True,
+                           generator=torch.Generator().manual_seed(5), eos_token_id=[], **kwargs).tokens
+
+    plain = run()
+    given = run(temperature=0.5, top_k=3, top_p=0.9)
+    assert not torch.equal(plain, given)
+    model.generation_config.temperature, model.generation_config.top_k = 0.5, 3
+    model.generation_config.top_p = 0.9
+    assert torch.equal(run(), given)
+    assert torch.equal(run(temperature=1.0, top_k=0, top_p=1.0), plain)
+
+
 def test_stats_count_passes_and_the_bar_shows_tokens_per_second(capsys):
     model = make_model("llama")
     out = ws.generate(model, repetitive_prompt(7), 9, draft=DraftModel(copy.deepcopy(model)), width=2,

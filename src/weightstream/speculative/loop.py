@@ -178,6 +178,20 @@ def warn_if_slower(choice, auto, draft: str, acceptance: str) -> bool:
     return True
 
 
+def _sampling(model: nn.Module, temperature, top_k, top_p) -> tuple:
+    """temperature, top_k and top_p as transformers' generate takes them: each given, or else the
+    model's generation_config's (temperature 1.0 and neither top-k nor top-p where it sets none)."""
+    config = getattr(model, "generation_config", None)
+
+    def given(value, name, default):
+        if value is not None:
+            return value
+        found = getattr(config, name, None)
+        return default if found is None else found
+
+    return given(temperature, "temperature", 1.0), given(top_k, "top_k", None), given(top_p, "top_p", None)
+
+
 def generate(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -187,7 +201,7 @@ def generate(
     width: int | str = 4,
     depth: int | str = 6,
     do_sample: bool = False,
-    temperature: float = 1.0,
+    temperature: float | None = None,
     top_k: int | None = None,
     top_p: float | None = None,
     generator: torch.Generator | None = None,
@@ -213,7 +227,9 @@ def generate(
     after `rechoose_after` passes (None: never) from the acceptance those passes measured, kept for the
     rest of the call (a compiled forward compiles once more where the shape changes; `stats.shapes`).
     do_sample: rejection sampling from the model's distribution under temperature / top_k / top_p (as
-    transformers' generate), drawn from `generator` (a CPU torch.Generator; seeded runs repeat); else
+    transformers' generate; each not given, None, is the model's generation_config's, as there: 1.0, no
+    top-k and no top-p where it sets none; top_k 0 and top_p 1.0 turn them off), drawn from `generator`
+    (a CPU torch.Generator; seeded runs repeat); else
     greedy: the tokens equal the model's own greedy decoding wherever a forward over the tree ranks the
     tokens as a one-token forward does. eos_token_id: stop after it (default: the model's
     generation_config). compile: torch.compile(fullgraph=True) of the verify and draft forwards, or a
@@ -242,6 +258,7 @@ def generate(
                             "tokens) or (tokens,); speculative generation runs batch 1")
     if max_new_tokens < 1:
         raise ArgumentError(f"max_new_tokens={max_new_tokens}: generate at least 1 token")
+    temperature, top_k, top_p = _sampling(model, temperature, top_k, top_p)
     check_sampling(do_sample, temperature, top_k, top_p)
     eos = _eos_ids(model, eos_token_id)
     check_generation_config(getattr(model, "generation_config", None), ids.shape[1], bool(eos), do_sample)
