@@ -62,11 +62,16 @@ def test_the_generation_config_is_read_as_transformers_reads_it(tmp_path, draft)
     want = reference.generate(ids, max_new_tokens=12)
     assert int(want[0, -1]) in (2, stop) and want.shape[1] < 5 + 12  # it stopped at a stop token
     assert torch.equal(model.generate(ids, max_new_tokens=12), want)
-    if draft is not None:
+    if draft is not None:  # the stop tokens read; the repetition penalty it cannot apply refused by name
         def speculative(m):
             return ws.generate(m, ids, max_new_tokens=12, draft=draft, progress=False).new_tokens
 
-        assert torch.equal(speculative(model), speculative(reference))
+        with pytest.raises(ws.ArgumentError, match="repetition_penalty=1.3"):
+            speculative(model)
+        for m in (model, reference):
+            m.generation_config.repetition_penalty = 1.0
+        got = speculative(model)
+        assert torch.equal(got, speculative(reference)) and int(got[-1]) in (2, stop)
 
 
 def test_dtype_conversion_matches_transformers(tmp_path):
@@ -342,3 +347,89 @@ def test_a_read_failing_mid_load_raises_it_and_leaves_no_engine_behind(tmp_path,
     assert len(calls) == 5 and len(ops.engines()) == engines
     if not engines:
         assert not engine.process_hooks_installed()
+
+
+# --- checkpoints transformers loads otherwise than the config alone says ----------------------------------
+
+def test_tied_weights_stored_with_different_values_are_refused_saying_how_to_untie_them(tmp_path):
+    """config.json ties lm_head to the embeddings, the checkpoint stores both with different values:
+    transformers loads them untied; loading the first into the one tied tensor gave wrong embeddings."""
+    from safetensors.torch import load_file, save_file
+
+    model = make_model("llama")
+    model.config.tie_word_embeddings = True
+    model.save_pretrained(tmp_path)
+    state = load_file(tmp_path / "model.safetensors")
+    state["lm_head.weight"] = torch.randn_like(state["model.embed_tokens.weight"])
+    save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ws.CheckpointError, match='"tie_word_embeddings": false'):
+        ws.from_pretrained(tmp_path, gpu_memory="1GiB", device="cpu", progress=False)
+    state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()  # stored twice, equal: loads
+    save_file(state, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    loaded = ws.from_pretrained(tmp_path, gpu_memory=int(weight_bytes(reference) * 0.5), device="cpu",
+                                progress=False)
+    with torch.no_grad():
+        assert torch.equal(loaded(ids_for()).logits, reference(ids_for()).logits)
+
+
+def test_t5_in_fp16_keeps_the_tensors_transformers_keeps_in_fp32(tmp_path):
+    saved = _seq2seq_and_encoders()["t5"]().eval()
+    save(saved, tmp_path)
+    reference = type(saved).from_pretrained(tmp_path, dtype=torch.float16).eval()
+    model = ws.from_pretrained(tmp_path, gpu_memory=int(weight_bytes(reference) * 0.7), device="cpu",
+                               progress=False, strategy="stream", dtype="float16")
+    want = reference.state_dict()
+    assert any(v.dtype == torch.float32 for v in want.values())  # the feed-forward outputs (`wo`)
+    assert all(v.dtype == want[k].dtype and torch.equal(v, want[k]) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("dtype", [None, "auto"])
+def test_a_config_without_a_dtype_loads_in_the_stored_dtype_as_transformers_does(tmp_path, dtype):
+    model = make_model("llama", dtype=torch.bfloat16)
+    model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.pop("dtype", None), config.pop("torch_dtype", None)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert reference.dtype == torch.bfloat16
+    loaded = ws.from_pretrained(tmp_path, gpu_memory=int(weight_bytes(reference) * 0.5), device="cpu",
+                                progress=False, dtype=dtype)
+    assert loaded.dtype == torch.bfloat16
+    with torch.no_grad():
+        assert torch.equal(loaded(ids_for()).logits, reference(ids_for()).logits)
+
+
+def test_a_header_giving_a_tensor_other_bytes_than_its_shape_needs_is_refused(tmp_path):
+    import struct
+
+    folder = save(make_model("llama"), tmp_path)
+    shard = sorted(folder.glob("*.safetensors"))[-1]
+    raw = shard.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + n])
+    name = next(k for k in header if k != "__metadata__")
+    begin, end = header[name]["data_offsets"]
+    header[name]["data_offsets"] = [begin, end - 4]
+    text = json.dumps(header, separators=(",", ":")).encode()
+    shard.write_bytes(raw[:8] + text + b" " * (n - len(text)) + raw[8 + n :])
+    with pytest.raises(ws.CheckpointError, match="its header gives it"):
+        ws.from_pretrained(folder, gpu_memory="1GiB", device="cpu", progress=False)
+
+
+def test_a_disk_tier_shard_saved_again_after_the_load_is_refused_at_the_next_read(tmp_path):
+    """The disk tier reads each forward from the offsets found at load: a shard saved again (another
+    header length moves every offset) gave garbage silently."""
+    folder = save(make_model("llama"), tmp_path)
+    reference = AutoModelForCausalLM.from_pretrained(folder).eval()
+    load = dict(gpu_memory=int(weight_bytes(reference) * 0.4), device="cpu", progress=False,
+                strategy="stream")
+    plain = ws.handle_of(ws.from_pretrained(folder, **load)).stats
+    group = plain.staging_bytes // plain.slots
+    model = ws.from_pretrained(folder, cpu_memory=3 * group + group // 2, **load)
+    assert ws.handle_of(model).stats.disk_bytes > 0
+    with torch.no_grad():
+        assert torch.equal(model(ids_for()).logits, reference(ids_for()).logits)
+    reference.save_pretrained(folder, max_shard_size="60KB")  # the same tensors, written anew
+    with pytest.raises(ws.CheckpointError, match="changed after the model was loaded"), torch.no_grad():
+        model(ids_for())

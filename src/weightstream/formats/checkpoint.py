@@ -70,6 +70,13 @@ def _read_header(path: Path) -> dict[str, StoredTensor]:
             raise CheckpointError(
                 f"{path}: tensor {name} has dtype {dtype}, which weightstream cannot read"
             )
+        want = _DTYPES[dtype].itemsize * (int(torch.Size(shape).numel()) if shape else 1)
+        if end - begin != want:
+            raise CheckpointError(
+                f"{path}: tensor {name} ({dtype}, shape {list(shape)}) needs {want} bytes but its header "
+                f"gives it {end - begin} (data_offsets {begin}..{end}): the file is not a valid safetensors "
+                "file (re-save or re-download it)"
+            )
         if 8 + length + end > size:
             raise CheckpointError(
                 f"{path} is truncated: tensor {name} ends at byte {8 + length + end}, the file has {size} "

@@ -12,11 +12,13 @@ raw layout from the checkpoint (restore, state_dict).
 
 from __future__ import annotations
 
+import os
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from ..errors import CheckpointError
 from ..placement.layout import Slice
 from .checkpoint import StoredTensor, read_into
 from .diskcache import DiskCache
@@ -38,6 +40,10 @@ class DiskTier:
         self.nbytes = sum(t.nbytes for g in groups.values() for t, _ in g)
         self.wire_bytes = sum(self.file_bytes(g) for g in self.order)
         self.bytes_read = 0
+        # each group's shard files, and each file's size and modification time now: the offsets found at
+        # load hold only while the file is the one they were found in
+        self.paths = {g: sorted({t.path for t, _ in tensors}) for g, tensors in groups.items()}
+        self.stamps = {path: _stamp(path) for paths in self.paths.values() for path in paths}
 
     def holds(self, group: int) -> bool:
         """True when `group` is read from disk."""
@@ -75,7 +81,15 @@ class DiskTier:
             self.cache.close()
 
     def read_group(self, group: int, dst: torch.Tensor) -> None:
-        """Read every tensor of `group` into `dst` (uint8, the group's layout) at its offset."""
+        """Read every tensor of `group` into `dst` (uint8, the group's layout) at its offset; a
+        CheckpointError where one of its shard files changed or went since the load."""
+        for path in self.paths[group]:
+            if _stamp(path) != self.stamps[path]:
+                raise CheckpointError(
+                    f"{path} changed after the model was loaded (its size or modification time; or it is "
+                    "gone): weightstream reads this shard's tensors every forward from the offsets it found "
+                    "at load, which no longer hold. Load the checkpoint again (weightstream.from_pretrained),"
+                    " or give cpu_memory room for every streamed group so none is read from the files")
         for stored, sl in self.groups[group]:
             read_into(stored, dst[sl.offset : sl.offset + sl.nbytes])
 
@@ -84,6 +98,15 @@ class DiskTier:
         dst = torch.empty(self.group_bytes[group], dtype=torch.uint8)
         self.read_group(group, dst)
         return dst
+
+
+def _stamp(path) -> tuple[int, int] | None:
+    """A file's size and modification time (ns), or None where it is gone."""
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return info.st_size, info.st_mtime_ns
 
 
 class DiskPrefetcher:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import warnings
 from collections import Counter
 from pathlib import Path
@@ -24,7 +25,7 @@ from ..dtypes import parse_dtype
 from ..engine.host import HostArena
 from ..errors import ArgumentError, BudgetError, CheckpointError
 from ..handle import OffloadHandle, finish
-from ..pipeline import DEFAULT_STEPS, PipelineHandle, is_pipeline_folder, load_pipeline
+from ..pipeline import DEFAULT_STEPS, PipelineHandle, _keep_in_fp32, is_pipeline_folder, load_pipeline
 from ..placement.entries import Entry
 from ..placement.layout import Slice
 from ..placement.plan import choose_disk_groups
@@ -121,15 +122,27 @@ def read_config(folder: Path):
                               f"{fields['model_type']!r}; {first})") from None
 
 
-def config_dtype(config, dtype: torch.dtype | str | None = None) -> torch.dtype:
-    """The dtype a model is built in: `dtype` when given, else the config's, else float32."""
-    if dtype is not None:
+def config_dtype(config, dtype: torch.dtype | str | None = None, folder: Path | None = None) -> torch.dtype:
+    """The dtype a model is built in, as transformers' from_pretrained (dtype "auto", its default) picks
+    it: `dtype` when given (other than "auto"), else the config's, else the first floating-point tensor
+    stored in `folder`'s checkpoint, else float32."""
+    if dtype is not None and not (isinstance(dtype, str) and dtype.strip().lower() == "auto"):
         return parse_dtype(dtype)
     stored = config.dtype if hasattr(config, "dtype") else getattr(config, "torch_dtype", None)
     try:
-        return parse_dtype(stored) if stored is not None else torch.float32
-    except ValueError:
-        return torch.float32
+        if stored is not None:
+            return parse_dtype(stored)
+    except (ValueError, ArgumentError):
+        pass
+    if folder is not None:
+        try:
+            tensors = read_index(folder)
+        except CheckpointError:
+            tensors = {}
+        for tensor in tensors.values():
+            if tensor.dtype.is_floating_point and tensor.dtype.itemsize >= 2:  # not an fp8 one
+                return tensor.dtype
+    return torch.float32
 
 
 def model_class(config, folder: Path):
@@ -152,7 +165,7 @@ def build_model(folder: Path, dtype: torch.dtype | str | None, on_meta: bool = F
     the meta device (buffers real; `on_meta`: buffers on meta too, for planning only)."""
     config = read_config(folder)
     cls = model_class(config, folder)
-    dtype = config_dtype(config, dtype)
+    dtype = config_dtype(config, dtype, folder)
     build = cls.from_config if cls.__name__.startswith("Auto") else cls._from_config
     try:
         with torch.device("meta") if on_meta else params_on_meta():
@@ -161,6 +174,7 @@ def build_model(folder: Path, dtype: torch.dtype | str | None, on_meta: bool = F
         first = str(err).splitlines()[0][:200]
         raise CheckpointError(f"{folder}: cannot build {cls.__name__} for model_type {config.model_type!r} "
                               f"({first}); weightstream loads {SUPPORTED}") from None
+    _keep_in_fp32(model, "transformers", dtype)  # T5's wo at fp16, as transformers' own load keeps them
     _quantized_layers(model, config, folder)
     _generation_config(model, folder)
     return model.eval().requires_grad_(False)
@@ -229,7 +243,13 @@ def _match(model: nn.Module, entries: list[Entry], stored: dict[str, StoredTenso
     for name, source in made.items():
         entry = names.get(name)
         if entry is not None and id(entry) in persistent:
-            pairs.setdefault(id(entry), (entry, source))
+            kept = pairs.setdefault(id(entry), (entry, source))[1]
+            if kept is not source and not _same_stored(kept, source):
+                raise CheckpointError(
+                    f"{folder}: the model built from config.json ties {kept.name} and {name} (one tensor, "
+                    "e.g. tie_word_embeddings), but the checkpoint stores them with different values; "
+                    "transformers then loads them untied. Set \"tie_word_embeddings\": false in config.json "
+                    "to load them as stored (or save the checkpoint again with the weights tied)")
         elif entry is None:
             unexpected.append(name)
     missing = [e for e in entries if id(e) in persistent and id(e) not in pairs]
@@ -239,6 +259,12 @@ def _match(model: nn.Module, entries: list[Entry], stored: dict[str, StoredTenso
         hint = (" The checkpoint stores tensors the model does not have, even after transformers' conversion "
                 f"rules for {type(model).__name__} (e.g. {unexpected[0]}): check that config.json belongs "
                 "to these weights." if unexpected else "")
+        recomputed = [p for p in getattr(model, "_keys_to_ignore_on_load_missing", None) or []
+                      if re.search(p, example)]
+        if recomputed:
+            hint = (f" {type(model).__name__} lists it in _keys_to_ignore_on_load_missing: transformers "
+                    "computes it when it loads the model, which from_pretrained here does not; load the "
+                    "model with transformers, then weightstream.offload(model, ...).")
         raise CheckpointError(f"{folder}: {len(missing)} tensor(s) the model needs are not in the "
                               f"checkpoint, e.g. {example}.{hint}")
     if unexpected:
@@ -256,6 +282,23 @@ def _match(model: nn.Module, entries: list[Entry], stored: dict[str, StoredTenso
             raise CheckpointError(f"{folder}: {name} is {source.dtype} in the checkpoint but the model "
                                   f"expects {entry.dtype}")
     return list(pairs.values())
+
+
+def _same_stored(a: convert.Source, b: convert.Source) -> bool:
+    """Whether two sources are stored as the same bytes (a tied tensor saved under both its names)."""
+    if a.converted or b.converted or a.dtype != b.dtype or tuple(a.shape) != tuple(b.shape):
+        return a.converted and b.converted  # what transformers' conversions make is not compared
+    first, second = a.reads[0].stored, b.reads[0].stored
+    if (first.path, first.offset) == (second.path, second.offset):
+        return True
+    chunk = 1 << 24
+    with open(first.path, "rb") as f, open(second.path, "rb") as g:
+        for start in range(0, first.nbytes, chunk):
+            n = min(chunk, first.nbytes - start)
+            mine = os.pread(f.fileno(), n, first.offset + start)
+            if mine != os.pread(g.fileno(), n, second.offset + start):
+                return False
+    return True
 
 
 def _fill(pairs, places: dict[int, torch.Tensor], progress: bool) -> None:
