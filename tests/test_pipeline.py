@@ -909,3 +909,29 @@ def test_the_load_plans_for_the_steps_it_is_given_as_plan_does(bf16_folder, caps
     make_model("llama").save_pretrained(tmp_path / "llm")
     with pytest.raises(ws.ArgumentError, match="is for a diffusers pipeline folder"):
         ws.from_pretrained(tmp_path / "llm", gpu_memory="1GB", device="cpu", steps=4)
+
+
+@pytest.mark.parametrize("method", ["enable_sequential_cpu_offload", "enable_model_cpu_offload",
+                                    "enable_group_offload"])
+def test_diffusers_own_offloading_on_an_offloaded_pipeline_is_refused_until_restore(method):
+    """accelerate's offloading after weightstream's moved the streamed weights to the meta device: the
+    next generation failed inside accelerate and restore() could not copy them back."""
+    ref, pipe = tiny_flux_pipeline(), tiny_flux_pipeline()
+    handle = ws.offload(pipe, gpu_memory=total_bytes(pipe) // 2, device="cpu", strategy="stream")
+    with pytest.raises(ws.OffloadStateError, match=f"pipe.{method}.. on a pipeline weightstream offloaded"):
+        getattr(pipe, method)(device="cpu")
+    assert torch.equal(generate(pipe), generate(ref))
+    handle.restore()
+    assert method not in pipe.__dict__  # the pipeline's own method again
+
+
+def test_an_error_inside_a_pipeline_edit_leaves_it_restored_and_offloadable_again():
+    ref, pipe = tiny_flux_pipeline(), tiny_flux_pipeline()
+    handle = ws.offload(pipe, gpu_memory=total_bytes(pipe) // 2, device="cpu", strategy="stream")
+    with pytest.raises(KeyError), handle.edit():
+        raise KeyError("the user's own error")
+    assert handle.restored and all(h.restored for h in handle.handles.values())
+    assert torch.equal(generate(pipe), generate(ref))  # restored, on the CPU
+    again = ws.offload(pipe, gpu_memory=total_bytes(pipe) // 2, device="cpu", strategy="stream")
+    assert torch.equal(generate(pipe), generate(ref))
+    again.restore()

@@ -57,6 +57,17 @@ def denoiser_tokens(model: nn.Module) -> int:
 
 
 _PIPE_ATTR = "_weightstream_pipeline_handle"
+# a pipeline's own offloading, refused on a pipeline weightstream offloaded (accelerate's would move the
+# streamed weights to the meta device, past every guard, and leave the pipeline unrestorable)
+_REFUSED_AFTER_OFFLOAD = ("enable_sequential_cpu_offload", "enable_model_cpu_offload", "enable_group_offload")
+
+
+def _refused_after_offload(name: str):
+    def refuse(*args, **kwargs):
+        raise OffloadStateError(
+            f"pipe.{name}() on a pipeline weightstream offloaded: it would move the weights weightstream "
+            f"streams. Use one offloader: call handle.restore() first to use {name}")
+    return refuse
 
 
 def is_pipeline(obj) -> bool:
@@ -204,6 +215,18 @@ class PipelineHandle:
         self.placements = {name: p.placement for name, p in plans.items()}
         self.budget_bytes = budget
         self.restored = False
+        setattr(pipe, _PIPE_ATTR, self)
+        for name in _REFUSED_AFTER_OFFLOAD:  # diffusers' own offloading would move the streamed weights
+            if hasattr(pipe, name):
+                object.__setattr__(pipe, name, _refused_after_offload(name))
+
+    def _detach(self) -> None:
+        """The pipeline is no longer offloaded: its own methods back, the handle's mark gone."""
+        for name in _REFUSED_AFTER_OFFLOAD:
+            self.pipe.__dict__.pop(name, None)
+        if getattr(self.pipe, _PIPE_ATTR, None) is self:
+            delattr(self.pipe, _PIPE_ATTR)
+        self.restored = True
 
     @property
     def stats(self) -> PipelineStats:
@@ -217,14 +240,23 @@ class PipelineHandle:
     def edit(self):
         """Edit the pipeline's weights (`with handle.edit(): pipe.fuse_lora()`): every component is
         restored to the CPU inside the block and offloaded again on leaving it (`OffloadHandle.edit`).
-        Yields the pipeline."""
+        Yields the pipeline. An error in the block, or in offloading a component again (a budget the
+        edited weights outgrow), leaves the whole pipeline restored on the CPU and this handle restored,
+        and is raised: offload the pipeline again."""
         if self.restored:
             raise OffloadStateError("this pipeline handle was restored: offload the pipeline again to "
                                     "edit it")
-        with contextlib.ExitStack() as stack:
+        try:
+            with contextlib.ExitStack() as stack:
+                for handle in self.handles.values():
+                    stack.enter_context(handle.edit())
+                yield self.pipe
+        except BaseException:  # an error in the block, or offloading a component again: none stays half
             for handle in self.handles.values():
-                stack.enter_context(handle.edit())
-            yield self.pipe
+                if not handle.restored:
+                    handle.restore("cpu")
+            self._detach()
+            raise
 
     def restore(self, device: str | torch.device | None = None):
         """Restore every component (see `OffloadHandle.restore`); returns the pipeline."""
@@ -232,8 +264,7 @@ class PipelineHandle:
             raise OffloadStateError("this pipeline handle was already restored")
         for handle in self.handles.values():
             handle.restore(device)
-        delattr(self.pipe, _PIPE_ATTR)
-        self.restored = True
+        self._detach()
         return self.pipe
 
 
@@ -333,9 +364,7 @@ def offload_pipeline(
         for h in handles.values():
             h.restore()
         raise
-    handle = PipelineHandle(pipe, plans, handles, budget)
-    setattr(pipe, _PIPE_ATTR, handle)
-    return handle
+    return PipelineHandle(pipe, plans, handles, budget)
 
 
 def host_shares(needs: dict[str, tuple[int, list[int]]], calls: dict[str, int],
@@ -429,9 +458,7 @@ def load_pipeline(path, config: OffloadConfig, *, cpu_memory: int | str | None =
         for h in handles.values():
             h.restore()
         raise
-    handle = PipelineHandle(pipe, plans, handles, config.gpu_memory)
-    setattr(pipe, _PIPE_ATTR, handle)
-    return handle
+    return PipelineHandle(pipe, plans, handles, config.gpu_memory)
 
 
 # dtypes a module can be built in (torch's default dtype): the ones a stored checkpoint is counted in

@@ -301,17 +301,18 @@ def test_peft_merge_and_unmerge_inside_edit_match_the_resident_model(n_slots):
 
 
 @pytest.mark.parametrize("safe_merge", [False, True])
-def test_a_peft_merge_outside_edit_is_refused_at_the_next_forward_and_undone(safe_merge):
-    """The merge writes the base weights through `.data` (in place, or `safe_merge` rebinding them to a
-    merged copy of whatever a staging slot held): refused at the next forward, and undone, adapters'
-    merge state included, so the forwards after it equal the resident model that never merged (they
-    ran the adapter unmerged-flagged over unmerged weights: neither model)."""
+def test_a_peft_merge_outside_edit_is_refused_before_it_writes_anything(safe_merge):
+    """Every PEFT tuner layer's merge() and unmerge() refuse while offloaded, the layers over resident
+    weights too (they merged while the streamed ones could not, leaving the model in neither state):
+    nothing changes, and merging inside `edit()` works."""
     ref, model, handle = lora_twins(2)
     ids = torch.randint(0, 128, (1, 8))
     model(ids)
-    model.merge_adapter(safe_merge=safe_merge)
-    with pytest.raises(OffloadStateError, match="PEFT adapters were merged into or unmerged from"):
-        model(ids)
+    for call in (lambda: model.merge_adapter(safe_merge=safe_merge), lambda: model.unmerge_adapter(),
+                 lambda: model.merge_and_unload(safe_merge=safe_merge)):
+        with pytest.raises(OffloadStateError, match=r"Nothing was changed; merge inside `with handle.edit"):
+            call()
+    assert not any(getattr(m, "merged_adapters", None) for m in model.modules())
     for _ in range(2):
         assert torch.equal(model(ids).logits, ref(ids).logits)
     assert same_state(model, ref)
@@ -321,20 +322,50 @@ def test_a_peft_merge_outside_edit_is_refused_at_the_next_forward_and_undone(saf
     assert torch.equal(model(ids).logits, ref(ids).logits)
     handle.restore()
     assert same_state(model, ref)
+    model.unmerge_adapter()  # restored: PEFT's own methods again
+    ref.unmerge_adapter()
+    assert torch.equal(model(ids).logits, ref(ids).logits)
+
+
+def merge_past_the_guard(model, safe_merge: bool) -> None:
+    """What a PEFT that merged by another path would do: each streamed tuner layer's own class merge."""
+    for layer in model.modules():
+        if "merge" in layer.__dict__:
+            type(layer).merge(layer, safe_merge=safe_merge)
 
 
 @pytest.mark.parametrize("safe_merge", [False, True])
-def test_a_peft_merge_outside_edit_then_restore_or_state_dict_is_undone_with_a_warning(safe_merge):
+def test_a_merge_past_the_guard_is_refused_at_the_next_forward_and_undone(safe_merge):
+    """The watch behind the guard: a merge writes the base weights through `.data` (in place, or
+    `safe_merge` rebinding them to a merged copy of whatever a staging slot held), which no version
+    counter sees; the layers' merged_adapters are watched: refused at the next forward and undone, the
+    adapters' merge state included, so the forwards after it equal the resident model that never
+    merged."""
+    ref, model, handle = lora_twins(2)
+    ids = torch.randint(0, 128, (1, 8))
+    model(ids)
+    merge_past_the_guard(model, safe_merge)
+    with pytest.raises(OffloadStateError, match="PEFT adapters were merged into or unmerged from"):
+        model(ids)
+    for _ in range(2):
+        assert torch.equal(model(ids).logits, ref(ids).logits)
+    assert same_state(model, ref)
+    handle.restore()
+    assert same_state(model, ref)
+
+
+@pytest.mark.parametrize("safe_merge", [False, True])
+def test_a_merge_past_the_guard_then_restore_or_state_dict_is_undone_with_a_warning(safe_merge):
     """With no forward between the merge and `restore()` (or `state_dict()`), the merge is undone with a
     warning: the restored model equals the resident one that never merged, and can be merged then."""
     ref, model, handle = lora_twins(1)
     ids = torch.randint(0, 128, (1, 8))
     model(ids)
-    model.merge_adapter(safe_merge=safe_merge)
+    merge_past_the_guard(model, safe_merge)
     with pytest.warns(UserWarning, match="it was undone"):
         state = model.state_dict()
     assert all(torch.equal(v, ref.state_dict()[k]) for k, v in state.items())
-    model.merge_adapter(safe_merge=safe_merge)  # again, undone at restore this time
+    merge_past_the_guard(model, safe_merge)  # again, undone at restore this time
     with pytest.warns(UserWarning, match="it was undone"):
         handle.restore()
     assert same_state(model, ref) and torch.equal(model(ids).logits, ref(ids).logits)
@@ -371,7 +402,7 @@ def test_lora_loaded_after_offload_is_exact_and_fusing_it_outside_edit_is_refuse
     """diffusers' load_lora_weights / set_adapters / fuse_lora / unload_lora_weights on an offloaded
     pipeline, against the resident pipeline doing the same: unfused adapters run exactly as they are
     (their weights are new, resident tensors; the base weights stream); a fuse outside `edit()` (PEFT
-    writes the base weights through `.data`) is refused at the next forward, inside it is exact."""
+    writes the base weights through `.data`) is refused before it writes anything, inside it is exact."""
     from peft import LoraConfig
     from peft.utils import get_peft_model_state_dict
     from test_pipeline import generate, tiny_flux_pipeline, total_bytes
@@ -392,10 +423,9 @@ def test_lora_loaded_after_offload_is_exact_and_fusing_it_outside_edit_is_refuse
     for p in (ref, pipe):
         p.set_adapters(["style"], adapter_weights=[0.3])
     assert torch.equal(generate(pipe), generate(ref))
-    pipe.fuse_lora(components=["transformer"])
-    with pytest.raises(ws.OffloadStateError, match="PEFT adapters were merged.*handle.edit"):
-        generate(pipe)
-    pipe.unfuse_lora(components=["transformer"])
+    with pytest.raises(ws.OffloadStateError, match="Nothing was changed; merge inside `with handle.edit"):
+        pipe.fuse_lora(components=["transformer"])
+    assert torch.equal(generate(pipe), generate(ref))  # nothing fused, on either side
     with handle.edit():
         pipe.fuse_lora(components=["transformer"])
     ref.fuse_lora(components=["transformer"])

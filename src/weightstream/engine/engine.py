@@ -385,6 +385,8 @@ class StreamEngine:
         streamed = {id(e.tensor) for group in self.groups for e, _ in group}
         for layer, merged in peft_layers(module, streamed).items():
             self.peft.setdefault(layer, merged)
+        if self.guards is not None:
+            self.guards.guard_peft(module)
 
     def streamed_entry(self, tensor: torch.Tensor) -> Entry | None:
         """The entry of `tensor` where it is a streamed tensor (a view of a staging slot), else None."""

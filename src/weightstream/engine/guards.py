@@ -82,6 +82,20 @@ class ModelGuards:
             for name, method in _PATCHES.items():
                 module.__dict__[name] = types.MethodType(method, module)  # past nn.Module.__setattr__
             module.__dict__["_ws_guards"] = self
+        self.peft: list[nn.Module] = []  # PEFT tuner layers whose merge and unmerge refuse
+        self.guard_peft(model)
+
+    def guard_peft(self, module: nn.Module) -> None:
+        """Make every PEFT tuner layer in `module` refuse `merge()` and `unmerge()` (what merge_adapter,
+        merge_and_unload and diffusers' fuse_lora call per layer) before it writes anything: over a
+        streamed weight the write would land in a shared staging buffer, over a resident one it would
+        go through while the streamed layers' could not, leaving the model in neither state."""
+        for layer in module.modules():
+            tuner = isinstance(getattr(layer, "merged_adapters", None), list)
+            if tuner and hasattr(layer, "get_base_layer") and "merge" not in layer.__dict__:
+                for name in ("merge", "unmerge"):
+                    layer.__dict__[name] = types.MethodType(_refused_merge(name), layer)
+                self.peft.append(layer)
 
     def _load_hook(self, module, state_dict, prefix, *args) -> None:
         """Refuse a load reaching the model from a module above it that names a tensor kept off the GPU
@@ -175,6 +189,9 @@ class ModelGuards:
         """Take every guard off, give each parameter its `requires_grad` back and each module its
         training mode."""
         _LIVE.discard(self)
+        for layer in self.peft:
+            layer.__dict__.pop("merge", None)
+            layer.__dict__.pop("unmerge", None)
         for hook in self._hooks:
             hook.remove()
         for module in self.modules:
@@ -283,6 +300,16 @@ def _refuse_loading_off_gpu(module: nn.Module, keys, guards: ModelGuards) -> Non
             "handle.restore() first, load, then offload again (a state dict of other tensors, such as "
             "LoRA adapters, loads as it is)"
         )
+
+
+def _refused_merge(name: str):
+    def refuse(self, *args, **kwargs):
+        raise OffloadStateError(
+            f"PEFT {name}() on {type(self).__name__} of a model offloaded by weightstream (merge_adapter, "
+            "merge_and_unload, fuse_lora and their undoing call it): it would write base weights that "
+            "stream through staging buffers other blocks share. Nothing was changed; merge inside `with "
+            "handle.edit():` or before offload()")
+    return refuse
 
 
 def _guarded_deepcopy(self, memo):
