@@ -231,6 +231,19 @@ class OffloadHandle:
         shares = self._choices.shares() if self._choices is not None else None
         return None if shares is None else fit_routing_skew(shares, self._choices.top_k)
 
+    def check_editable(self) -> None:
+        """OffloadStateError where `edit()` would refuse: nested, restored, or loaded by from_pretrained."""
+        if self.__dict__.get("_editing"):
+            raise OffloadStateError(
+                "edit() inside edit(): edits cannot be nested. Inside the outer `with handle.edit():` every "
+                "weight is already a plain CPU tensor: edit it there")
+        if self.restored:
+            raise OffloadStateError("this handle was restored: offload the model again to edit it offloaded")
+        if self.config is None:
+            raise OffloadStateError(
+                "edit() needs a model offloaded by weightstream.offload(); for one loaded with "
+                "from_pretrained: handle.restore('cpu'), edit, then weightstream.offload(model, ...)")
+
     @contextlib.contextmanager
     def edit(self):
         """Edit the offloaded model's weights: `with handle.edit(): model.merge_adapter()`.
@@ -245,16 +258,7 @@ class OffloadHandle:
         or captured forwards must be compiled or captured again. Where the block raises, the model
         stays restored on the CPU (this handle is then restored). Yields the model.
         """
-        if self.__dict__.get("_editing"):
-            raise OffloadStateError(
-                "edit() inside edit(): edits cannot be nested. Inside the outer `with handle.edit():` every "
-                "weight is already a plain CPU tensor: edit it there")
-        if self.restored:
-            raise OffloadStateError("this handle was restored: offload the model again to edit it offloaded")
-        if self.config is None:
-            raise OffloadStateError(
-                "edit() needs a model offloaded by weightstream.offload(); for one loaded with "
-                "from_pretrained: handle.restore('cpu'), edit, then weightstream.offload(model, ...)")
+        self.check_editable()
         asked = self.config.replace(
             keep_resident=tuple(dict.fromkeys((*self.config.keep_resident, *self.engine.state_names))))
         config = asked
@@ -376,7 +380,8 @@ def finish(
                 view = view.data  # its own version counter, not the slot's (watch.py), as a parameter has
             _set_tensor(entry, view)
 
-    engine = StreamEngine(prep, arena, slots, disk, pin, check)
+    work_backed = frozenset(id(t.entry) for c in caches.caches for t in c.tensors) if caches else frozenset()
+    engine = StreamEngine(prep, arena, slots, disk, pin, check, unwatched=work_backed)
     handle = OffloadHandle(prep, engine)
     handle.expert_caches = caches
     engine.guards = guards.ModelGuards(engine, prep.model)  # gradients off, eval mode, true state dicts

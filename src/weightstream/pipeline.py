@@ -246,6 +246,8 @@ class PipelineHandle:
         if self.restored:
             raise OffloadStateError("this pipeline handle was restored: offload the pipeline again to "
                                     "edit it")
+        for handle in self.handles.values():  # what each component's edit() refuses, before any starts
+            handle.check_editable()
         try:
             with contextlib.ExitStack() as stack:
                 for handle in self.handles.values():

@@ -171,15 +171,15 @@ def test_the_planner_copies_the_experts_of_every_block_it_reads_for_them_where_a
 
 def test_offload_expert_copies_warns_where_the_planner_copies_nothing_and_refuses_a_non_bool():
     """The zoo's tiny Mixtral has 4 experts: a work buffer costs a whole layer of experts and a copied
-    layer waits 50 us for the host, so the planner reads whole blocks in place, and says no expert is
-    copied. A value other than a bool is refused."""
+    layer waits 50 us for the host, so the planner reads the experts in place without copies, and says
+    it copies no expert. A value other than a bool is refused."""
     model, inputs = ZOO["mixtral"]()
     model = model.eval().requires_grad_(False)
     cost = prepare(model, gpu_memory=2**40, device="cpu").cost
     dense = cost.fixed_bytes + sum(b - r for b, r in zip(cost.block_bytes, cost.routed_bytes, strict=True))
     budget = dense + int(0.3 * sum(cost.routed_bytes))
     ref = copy.deepcopy(model)
-    with pytest.warns(UserWarning, match="no expert is copied"):
+    with pytest.warns(UserWarning, match="copies no expert"):
         handle = ws.offload(model, budget, device="cpu", strategy="uva", expert_copies=True,
                             profile=ws.REFERENCE_PROFILE)
     assert handle.placement.uva and not handle.placement.expert_copies

@@ -219,8 +219,9 @@ def test_top_k_zero_is_no_top_k_as_in_transformers(model):
         return ws.generate(model, ids, 8, do_sample=True, generator=torch.Generator().manual_seed(3),
                            eos_token_id=[], width=2, depth=2, **kwargs).tokens
 
-    assert torch.equal(sample(top_k=0), sample(top_k=None))
-    assert torch.equal(sample(top_k=0, top_p=0.9), sample(top_p=0.9))
+    vocab = model.config.vocab_size  # top-k over the whole vocabulary keeps every token: no top-k
+    assert torch.equal(sample(top_k=0), sample(top_k=vocab))
+    assert torch.equal(sample(top_k=0, top_p=0.9), sample(top_k=vocab, top_p=0.9))
 
 
 def tiny(config, seed: int = 0):

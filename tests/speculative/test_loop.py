@@ -163,7 +163,7 @@ def test_sampling_settings_not_given_are_the_models_generation_configs():
     model.generation_config.temperature, model.generation_config.top_k = 0.5, 3
     model.generation_config.top_p = 0.9
     assert torch.equal(run(), given)
-    assert torch.equal(run(temperature=1.0, top_k=0, top_p=1.0), plain)
+    assert torch.equal(run(temperature=1.0, top_k=50, top_p=1.0), plain)  # transformers' defaults
 
 
 def test_stats_count_passes_and_the_bar_shows_tokens_per_second(capsys):

@@ -219,7 +219,10 @@ class ExpertCopy:
                 "weightstream: expert copies read each call's routing on the host, which a CUDA graph "
                 "cannot capture: offload with expert_copies=False to decode from CUDA graphs (the routed "
                 "experts are then read in place, or through a GPU expert cache)")
-        routed = sorted({e for e in top_k_index.reshape(-1).tolist() if 0 <= e < self.experts})
+        flat = top_k_index.reshape(-1).to(torch.int64)
+        hit = torch.zeros(self.experts + 1, dtype=torch.bool, device=flat.device)
+        hit.index_fill_(0, torch.where((flat >= 0) & (flat < self.experts), flat, self.experts), True)
+        routed = hit[: self.experts].nonzero().flatten().tolist()  # the one synchronization, experts long
         for start, stop in _runs(routed):
             for t in self.tensors:
                 t.work[start:stop].copy_(t.host[start:stop], non_blocking=True)
@@ -255,7 +258,8 @@ class ExpertCaches:
         self.blocks: tuple[int, ...] = ()  # the model's blocks they cache (set by `install`)
         self.caches: list[ExpertCache] = []
         self.work: dict[tuple, torch.Tensor] = {}  # (shapes, dtypes of a layer) -> flat work buffers
-        self._host_views: list[tuple[Entry, torch.Tensor]] = []
+        # (entry, its tensor viewing the work buffer, a view of its host bytes)
+        self._host_views: list[tuple[Entry, torch.Tensor, torch.Tensor]] = []
         for module, tensors in layers:
             experts = tensors[0][0].shape[0]
             signature = tuple((e.shape, e.dtype) for e, _, _ in tensors)
@@ -268,8 +272,8 @@ class ExpertCaches:
                 pool = torch.zeros(slots, row, dtype=torch.uint8, device=device)
                 source = host_rows if self.copies else host  # the copy engine takes host addresses
                 cached.append(CachedTensor(entry, source.view(experts, row), pool, work.view(experts, row)))
-                self._host_views.append((entry, entry.tensor))
                 _set_tensor(entry, entry.view_of(work))
+                self._host_views.append((entry, entry.tensor, entry.view_of(host)))
             self.caches.append(ExpertCopy(module, cached, experts) if self.copies else
                                ExpertCache(module, cached, CacheTable(experts, slots, device, fill_calls)))
         self.eager_calls = 0  # forwards run eagerly on a GPU (counted at the first cached layer)
@@ -357,8 +361,9 @@ class ExpertCaches:
         for hook in self.hooks:
             hook.remove()
         self.hooks = []
-        for entry, host_view in self._host_views:
-            _set_tensor(entry, host_view)
+        for entry, tensor, host_view in self._host_views:
+            if entry.tensor is tensor:  # still the tensor installed (not one the model bound since)
+                _set_tensor(entry, host_view)
         _CACHES.pop(self.cache_id, None)
 
 

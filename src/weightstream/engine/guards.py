@@ -21,6 +21,7 @@ torch.compile(fullgraph=True) and CUDA graphs see what they saw before.
 
 from __future__ import annotations
 
+import functools
 import types
 import weakref
 from collections.abc import Iterator
@@ -29,7 +30,6 @@ import torch
 from torch import nn
 
 from ..errors import InferenceOnlyError, OffloadStateError
-from ..formats.checkpoint import read_into
 from .ops import INFERENCE_ONLY
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()  # the guards of every offloaded model not yet restored
@@ -94,7 +94,12 @@ class ModelGuards:
             tuner = isinstance(getattr(layer, "merged_adapters", None), list)
             if tuner and hasattr(layer, "get_base_layer") and "merge" not in layer.__dict__:
                 for name in ("merge", "unmerge"):
-                    layer.__dict__[name] = types.MethodType(_refused_merge(name), layer)
+                    layer.__dict__[name] = types.MethodType(_refused_merge(type(layer), name), layer)
+                self.peft.append(layer)
+            # a diffusers model's fuse_lora scales each layer before merging it: refused before that
+            if callable(getattr(type(layer), "fuse_lora", None)) and "fuse_lora" not in layer.__dict__:
+                for name in ("fuse_lora", "unfuse_lora"):
+                    layer.__dict__[name] = types.MethodType(_refused_merge(type(layer), name), layer)
                 self.peft.append(layer)
 
     def _load_hook(self, module, state_dict, prefix, *args) -> None:
@@ -123,9 +128,8 @@ class ModelGuards:
         transfer = self.engine.transfer
         if g < len(self.engine.groups) and transfer.on_disk(g):
             raw = torch.empty(sl.nbytes, dtype=torch.uint8)
-            for stored, s in transfer.disk.groups[g]:  # one stored tensor, or the pieces of a fused one
-                if sl.offset <= s.offset < sl.offset + sl.nbytes:
-                    read_into(stored, raw[s.offset - sl.offset : s.offset - sl.offset + s.nbytes])
+            # one stored tensor, or the pieces of a fused one; checked against the files as at load
+            transfer.disk.read_group(g, raw, within=(sl.offset, sl.nbytes))
             return self._copy(entry, raw)
         wire = self.engine.wire
         if g < len(wire) and wire[g] is not None:  # compressed in the arena: decode the group
@@ -190,8 +194,8 @@ class ModelGuards:
         training mode."""
         _LIVE.discard(self)
         for layer in self.peft:
-            layer.__dict__.pop("merge", None)
-            layer.__dict__.pop("unmerge", None)
+            for name in ("merge", "unmerge", "fuse_lora", "unfuse_lora"):
+                layer.__dict__.pop(name, None)
         for hook in self._hooks:
             hook.remove()
         for module in self.modules:
@@ -302,8 +306,15 @@ def _refuse_loading_off_gpu(module: nn.Module, keys, guards: ModelGuards) -> Non
         )
 
 
-def _refused_merge(name: str):
+def _refused_merge(cls: type, name: str):
+    """`cls.<name>` refusing while offloaded, with its signature (diffusers inspects merge's); an undoing
+    (unmerge, unfuse_lora) with nothing merged in its module is let through: it does nothing."""
+    original = getattr(cls, name)
+
+    @functools.wraps(original)
     def refuse(self, *args, **kwargs):
+        if name.startswith("un") and not any(getattr(m, "merged_adapters", None) for m in self.modules()):
+            return original(self, *args, **kwargs)
         raise OffloadStateError(
             f"PEFT {name}() on {type(self).__name__} of a model offloaded by weightstream (merge_adapter, "
             "merge_and_unload, fuse_lora and their undoing call it): it would write base weights that "

@@ -80,9 +80,18 @@ class DiskTier:
         if self.cache is not None:
             self.cache.close()
 
-    def read_group(self, group: int, dst: torch.Tensor) -> None:
-        """Read every tensor of `group` into `dst` (uint8, the group's layout) at its offset; a
+    def read_group(self, group: int, dst: torch.Tensor, within: tuple[int, int] | None = None) -> None:
+        """Read every tensor of `group` into `dst` (uint8, the group's layout) at its offset, or with
+        `within` (offset, bytes) only the tensors in that part of the layout, into `dst` of that size; a
         CheckpointError where one of its shard files changed or went since the load."""
+        self.check_unchanged(group)
+        start, size = within if within is not None else (0, dst.numel())
+        for stored, sl in self.groups[group]:
+            if start <= sl.offset < start + size:
+                read_into(stored, dst[sl.offset - start : sl.offset - start + sl.nbytes])
+
+    def check_unchanged(self, group: int) -> None:
+        """CheckpointError where a shard file of `group` changed or went since the load."""
         for path in self.paths[group]:
             if _stamp(path) != self.stamps[path]:
                 raise CheckpointError(
@@ -90,8 +99,6 @@ class DiskTier:
                     "gone): weightstream reads this shard's tensors every forward from the offsets it found "
                     "at load, which no longer hold. Load the checkpoint again (weightstream.from_pretrained),"
                     " or give cpu_memory room for every streamed group so none is read from the files")
-        for stored, sl in self.groups[group]:
-            read_into(stored, dst[sl.offset : sl.offset + sl.nbytes])
 
     def load(self, group: int) -> torch.Tensor:
         """`group`'s bytes read into a new (pageable) uint8 tensor."""

@@ -281,9 +281,10 @@ def placement_of(
             (expert_cache and expert_slots > model.experts):
         raise ArgumentError(f"expert_cache={expert_cache}, expert_slots={expert_slots}: name blocks of "
                             f"uva_experts={uva_experts} and 1..{model.experts} slots for each, or neither")
-    if not set(expert_copies) <= set(uva_experts) or set(expert_copies) & set(expert_cache):
-        raise ArgumentError(f"expert_copies={expert_copies}: name blocks of uva_experts={uva_experts} that "
-                            f"are not in expert_cache={expert_cache}")
+    if not set(expert_copies) <= set(uva_experts) or (expert_copies and expert_cache):
+        raise ArgumentError(f"expert_copies={expert_copies}: name blocks of uva_experts={uva_experts}, with "
+                            f"no expert_cache (given {expert_cache}): a placement caches experts or copies "
+                            "them, not both")
     options = landing_options(n_slots, len(streamed))
     if landing_buffers is None:
         landing_buffers = options[0]
@@ -402,8 +403,9 @@ def plan(
             for buffers in landing_options(n_slots, len(streamed)) if compressed else (None,):
                 candidate = placement_of(model, streamed, n_slots, uva, part, tokens, profile, budget,
                                          host_bytes, strategy, compressed, buffers, uva_experts)
-                if candidate is not None and uva_experts and expert_copies:
-                    candidate = _with_copies(model, candidate, budget, tokens, profile, host_bytes, strategy)
+                if candidate is not None and uva_experts and expert_copies:  # where the work buffers fit
+                    candidate = _with_copies(model, candidate, budget, tokens, profile, host_bytes,
+                                             strategy) or candidate
                 if candidate is not None and better(candidate, best):
                     best = candidate
                 if candidate is not None and expert_cache and uva_experts and not compressed and \

@@ -268,10 +268,11 @@ def prepare(
                 "resident":
             warnings.warn(
                 f"weightstream: expert_copies=True, but the placement the planner predicts fastest "
-                f"({placement.kind}: {len(placement.streamed)} blocks streamed whole, {len(placement.uva)} "
-                "read in place whole) reads no block for its routed experts alone, so no expert is copied; "
-                "force one with placement=plan.placement_of(..., uva_experts=..., expert_copies=...)",
-                stacklevel=4)
+                f"({placement.kind}: {len(placement.streamed)} blocks streamed, {len(placement.uva)} read in "
+                f"place, {len(placement.uva_experts)} of them for their routed experts alone) copies no "
+                "expert: none is read apart, or the copies' work buffers do not fit the budget beside it. "
+                "Give more gpu_memory, or force copies with placement=plan.placement_of(..., "
+                "uva_experts=..., expert_copies=...)", stacklevel=4)
     elif placement.gpu_bytes > budget or max(placement.streamed + placement.uva, default=-1) >= len(found):
         raise ArgumentError(
             f"the given placement needs {format_size(placement.gpu_bytes)} of GPU memory for blocks up to "

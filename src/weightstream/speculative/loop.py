@@ -180,16 +180,21 @@ def warn_if_slower(choice, auto, draft: str, acceptance: str) -> bool:
 
 def _sampling(model: nn.Module, temperature, top_k, top_p) -> tuple:
     """temperature, top_k and top_p as transformers' generate takes them: each given, or else the
-    model's generation_config's (temperature 1.0 and neither top-k nor top-p where it sets none)."""
+    model's generation_config's, or else transformers' global defaults (`GenerationConfig.
+    _get_default_generation_params`: temperature 1.0, top_k 50, top_p 1.0 in transformers 5)."""
+    from transformers import GenerationConfig
+
     config = getattr(model, "generation_config", None)
+    defaults = getattr(GenerationConfig, "_get_default_generation_params", dict)()
 
-    def given(value, name, default):
-        if value is not None:
-            return value
-        found = getattr(config, name, None)
-        return default if found is None else found
+    def given(value, name):
+        for source in (value, getattr(config, name, None), defaults.get(name)):
+            if source is not None:
+                return source
+        return None
 
-    return given(temperature, "temperature", 1.0), given(top_k, "top_k", None), given(top_p, "top_p", None)
+    temperature = given(temperature, "temperature")
+    return 1.0 if temperature is None else temperature, given(top_k, "top_k"), given(top_p, "top_p")
 
 
 def generate(
@@ -227,8 +232,8 @@ def generate(
     after `rechoose_after` passes (None: never) from the acceptance those passes measured, kept for the
     rest of the call (a compiled forward compiles once more where the shape changes; `stats.shapes`).
     do_sample: rejection sampling from the model's distribution under temperature / top_k / top_p (as
-    transformers' generate; each not given, None, is the model's generation_config's, as there: 1.0, no
-    top-k and no top-p where it sets none; top_k 0 and top_p 1.0 turn them off), drawn from `generator`
+    transformers' generate; each not given, None, is the model's generation_config's, else transformers'
+    default, as there: 1.0, top-k 50, no top-p; top_k 0 and top_p 1.0 turn them off), drawn from `generator`
     (a CPU torch.Generator; seeded runs repeat); else
     greedy: the tokens equal the model's own greedy decoding wherever a forward over the tree ranks the
     tokens as a one-token forward does. eos_token_id: stop after it (default: the model's
