@@ -380,8 +380,7 @@ def finish(
                 view = view.data  # its own version counter, not the slot's (watch.py), as a parameter has
             _set_tensor(entry, view)
 
-    work_backed = frozenset(id(t.entry) for c in caches.caches for t in c.tensors) if caches else frozenset()
-    engine = StreamEngine(prep, arena, slots, disk, pin, check, unwatched=work_backed)
+    engine = StreamEngine(prep, arena, slots, disk, pin, check)
     handle = OffloadHandle(prep, engine)
     handle.expert_caches = caches
     engine.guards = guards.ModelGuards(engine, prep.model)  # gradients off, eval mode, true state dicts

@@ -198,3 +198,28 @@ def test_the_command_line_plans_expert_copies_and_refuses_them_with_cuda_graphs(
     assert main(["generate", str(tmp_path), "--prompt", "x", "--gpu-memory", "1GiB", "--expert-copies",
                  "--compile", "graphs"]) == 2
     assert "--expert-copies and --compile graphs" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kind", ["copies", "cache"])
+def test_a_write_to_an_expert_weight_viewing_a_work_buffer_is_refused_once_and_discarded(kind):
+    """A routed expert weight behind copies or a cache views a work buffer the next gather overwrites:
+    an in-place write to it between forwards is refused at the next forward (it never reached the
+    weights), and the forwards after it equal the resident model that was never written."""
+    from test_expert_cache import cached_offload
+
+    from weightstream.errors import OffloadStateError
+
+    model, inputs = ZOO["mixtral"]()
+    model = model.eval().requires_grad_(False)
+    ref = copy.deepcopy(model)
+    handle = copies_offload(model)[0] if kind == "copies" else cached_offload(model, slots=2)[0]
+    call(model, inputs)
+    experts = handle.expert_caches.caches[0].module
+    with torch.no_grad():
+        experts.gate_up_proj.mul_(2)
+    with pytest.raises(OffloadStateError, match="gate_up_proj was written in place outside"):
+        call(model, inputs)
+    for seed in range(2):
+        batch = inputs_like(inputs, seed)
+        assert same(call(model, batch), call(ref, batch))
+    restores_true_state(handle, model, ref, inputs)

@@ -45,7 +45,7 @@ class StreamEngine:
     """
 
     def __init__(self, prep: Prepared, arena: HostArena, slots: list[torch.Tensor], disk=None,
-                 pin: bool = True, check: bool = False, unwatched: frozenset[int] = frozenset()) -> None:
+                 pin: bool = True, check: bool = False) -> None:
         self.device = prep.device
         self.placement = prep.placement
         self.names = [prep.block_names[i] for i in prep.placement.streamed]
@@ -70,11 +70,10 @@ class StreamEngine:
         self.state_names: list[str] = []  # their names (edit() keeps them resident when it offloads again)
         # the streamed groups' tensors, then the zero-copy groups' (group len(groups) + j: as the arena
         # and the guards number them); a zero-copy tensor is its true memory, so a write to it is one to
-        # the weight, as on the resident model, and only its rebinding matters. Not watched: the entries
-        # of `unwatched` (ids), routed experts behind a GPU expert cache or expert copies, whose tensors
-        # view work buffers that every gather writes (docs/exactness.md)
-        self.watch = TensorWatch(prep.groups + [[(e, sl) for e, sl in group if id(e) not in unwatched]
-                                                for group in prep.uva_groups])
+        # the weight, as on the resident model, and only its rebinding matters (routed experts behind a
+        # GPU expert cache or expert copies view work buffers instead: their caches refuse a write,
+        # `expert_cache.ExpertCaches.gather`)
+        self.watch = TensorWatch(prep.groups + prep.uva_groups)
         # tensors kept off the GPU the model rebound, adopted: (group, record, slice); one bound again (as
         # torch.func.functional_call puts the originals back) streams again (`_restream_returned`)
         self.rebound: list[tuple[int, Watched, object]] = []

@@ -276,6 +276,8 @@ class ExpertCaches:
                 self._host_views.append((entry, entry.tensor, entry.view_of(host)))
             self.caches.append(ExpertCopy(module, cached, experts) if self.copies else
                                ExpertCache(module, cached, CacheTable(experts, slots, device, fill_calls)))
+        # each expert weight's version as installed (`gather` refuses a write since; id -> version)
+        self.versions = {id(t.entry.tensor): t.entry.tensor._version for c in self.caches for t in c.tensors}
         self.eager_calls = 0  # forwards run eagerly on a GPU (counted at the first cached layer)
         # off once a capture is seen or the warning is given; copies run eagerly by design
         self.watch_eager = device.type == "cuda" and not self.copies
@@ -299,8 +301,6 @@ class ExpertCaches:
         return self.pool_bytes + self.work_bytes
 
     def _hook(self, i: int):
-        cache = self.caches[i]
-
         def gather(module: nn.Module, args: tuple):
             hidden, top_k_index, *rest = args
             tensors = [hidden, top_k_index, *(t for t in rest if isinstance(t, torch.Tensor))]
@@ -308,11 +308,28 @@ class ExpertCaches:
                 ops._refuse_autograd(tensors)
                 if i == 0 and self.watch_eager:
                     self.note_eager_call(torch.cuda.is_current_stream_capturing())
-                cache.gather(top_k_index)
+                self.gather(i, top_k_index)
                 return None
             out = iter(torch.ops.weightstream.expert_gather(tensors, self.cache_id, i))
             return (next(out), next(out), *(next(out) if isinstance(t, torch.Tensor) else t for t in rest))
         return gather
+
+    def gather(self, i: int, top_k_index: torch.Tensor) -> None:
+        """Layer `i`'s gather, after checking that no expert weight of the layer was written in place
+        since the last one: it views a work buffer that the gather overwrites, so the write never
+        reached the weights; refused, once. (A weight's version counter is its own: gathers, which write
+        the buffers through other tensors, do not move it.)"""
+        cache = self.caches[i]
+        for t in cache.tensors:
+            tensor = t.entry.tensor
+            if self.versions.get(id(tensor), tensor._version) != tensor._version:
+                self.versions[id(tensor)] = tensor._version
+                raise OffloadStateError(
+                    f"{t.entry.name} was written in place outside its block's forward while offloaded: "
+                    "routed experts behind a GPU expert cache or expert copies are views of work buffers "
+                    "that the next gather overwrites, so the write never reached the weights (they are as "
+                    "they were). Edit weights inside `with handle.edit():` or before offload()")
+        cache.gather(top_k_index)
 
     def note_eager_call(self, capturing: bool) -> None:
         """Count a forward that runs the caches' Python path on a GPU; `capturing`: inside a CUDA graph
@@ -428,7 +445,7 @@ def _caches(cache_id: int) -> ExpertCaches:
 def expert_gather(tensors: list[torch.Tensor], cache_id: int, layer: int) -> list[torch.Tensor]:
     """Before cached layer `layer`'s experts compute: update its table for the routing in tensors[1]
     and fill the work buffers; returns a copy of each of the experts' input tensors."""
-    _caches(cache_id).caches[layer].gather(tensors[1])
+    _caches(cache_id).gather(layer, tensors[1])
     return [t.clone() for t in tensors]
 
 
