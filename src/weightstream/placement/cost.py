@@ -383,27 +383,22 @@ def predict(
                             break  # not sent yet, or its landing buffer still waits for a decode
                         land_ahead(h)
                     issued_blobs += 1
-                if block in cached:  # dense GEMMs, the misses copied over the link, routed GEMMs resident
+                if block in cached or block in copied:  # dense GEMMs, the routed experts gathered into
+                    # the work buffer over the link, routed GEMMs resident
                     (dense, m), *routed = model.reads(block, tokens)
-                    compute += profile.resident_seconds(dense, m)
-                    nbytes = sum(b for b, _ in routed) * miss
-                    # the gather kernel reads each missed byte in place once, as a one-token GEMM does
-                    seconds = profile.uva_seconds(nbytes, 1)
+                    if block in cached:  # the misses, each byte read in place once by the gather kernel,
+                        nbytes = sum(b for b, _ in routed) * miss  # as a one-token GEMM does
+                        seconds = profile.uva_seconds(nbytes, 1)
+                        wait, after = 0.0, profile.expert_gather_seconds
+                    else:  # every routed expert, by the copy engine once the host has read the routing
+                        nbytes = sum(b for b, _ in routed)
+                        seconds = profile.copy_seconds(nbytes)
+                        wait, after = profile.expert_sync_seconds, 0.0
+                    compute += profile.resident_seconds(dense, m) + wait
                     compute = copy = max(compute, copy) + seconds
                     link[forward] += seconds
                     link_bytes[forward] += nbytes
-                    compute += (sum(profile.resident_seconds(b, m) for b, m in routed) + extra
-                                + profile.expert_gather_seconds)
-                    continue
-                if block in copied:  # dense GEMMs, the host reads the routing, copies, routed GEMMs
-                    (dense, m), *routed = model.reads(block, tokens)
-                    compute += profile.resident_seconds(dense, m) + profile.expert_sync_seconds
-                    nbytes = sum(b for b, _ in routed)
-                    seconds = profile.copy_seconds(nbytes)
-                    compute = copy = max(compute, copy) + seconds
-                    link[forward] += seconds
-                    link_bytes[forward] += nbytes
-                    compute += sum(profile.resident_seconds(b, m) for b, m in routed) + extra
+                    compute += sum(profile.resident_seconds(b, m) for b, m in routed) + extra + after
                     continue
                 if block in experts_only:  # dense GEMMs on resident weights, then the routed reads
                     (dense, m), *routed = model.reads(block, tokens)

@@ -215,7 +215,7 @@ def _with_copies(model: ModelCost, p: Placement, budget: int, tokens: int, profi
                  host_bytes: int | None, strategy: str) -> Placement | None:
     """Placement `p` with the routed experts of each of its blocks read for them copied by the copy
     engine instead (`Placement.expert_copies`); None where their work buffers do not fit the budget."""
-    blocks = tuple(b for b in p.uva_experts if not (model.quant_bytes and model.quant_bytes[b]))
+    blocks = _plain_expert_blocks(model, p)
     if not blocks:
         return None
     return placement_of(model, p.streamed, p.n_slots, p.uva, p.part, tokens, profile, budget, host_bytes,
@@ -223,12 +223,18 @@ def _with_copies(model: ModelCost, p: Placement, budget: int, tokens: int, profi
                         expert_copies=blocks)
 
 
+def _plain_expert_blocks(model: ModelCost, p: Placement) -> tuple[int, ...]:
+    """The blocks `p` reads for their routed experts whose experts are not quantized: those a work buffer
+    (a GPU expert cache, expert copies) can take."""
+    return tuple(b for b in p.uva_experts if not (model.quant_bytes and model.quant_bytes[b]))
+
+
 def _with_cache(model: ModelCost, p: Placement, budget: int, tokens: int, profile: MachineProfile,
                 host_bytes: int | None, strategy: str) -> Placement | None:
     """Placement `p` with a GPU expert cache on each of its blocks read for their plain routed experts,
     as many slots each (below every expert) as the budget `p` leaves holds beside the shared work
     buffers; None where not one slot fits."""
-    blocks = tuple(b for b in p.uva_experts if not (model.quant_bytes and model.quant_bytes[b]))
+    blocks = _plain_expert_blocks(model, p)
     if not blocks:
         return None
     per_slot = model.cache_bytes(blocks, 1) - model.cache_bytes(blocks, 0)
