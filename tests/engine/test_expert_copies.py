@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import warnings
 
 import pytest
 import torch
@@ -169,24 +170,35 @@ def test_the_planner_copies_the_experts_of_every_block_it_reads_for_them_where_a
     assert in_place.uva_experts and not in_place.expert_copies
 
 
-def test_offload_expert_copies_warns_where_the_planner_copies_nothing_and_refuses_a_non_bool():
+def test_offload_expert_copies_are_taken_wherever_they_fit_warned_where_not_and_refuse_a_non_bool():
     """The zoo's tiny Mixtral has 4 experts: a work buffer costs a whole layer of experts and a copied
-    layer waits 50 us for the host, so the planner reads the experts in place without copies, and says
-    it copies no expert. A value other than a bool is refused."""
+    layer waits 50 us for the host, so the cost model predicts copies slower than reading in place. Asked
+    for (`expert_copies=True`), copies are still taken wherever their work buffers fit (the placement
+    moves what it must off the GPU), as `compress=True` takes compression; where a layer's work buffers
+    cannot fit beside the weights outside the blocks, the experts are read in place and a warning says
+    no expert is copied. A value other than a bool is refused."""
     model, inputs = ZOO["mixtral"]()
     model = model.eval().requires_grad_(False)
     cost = prepare(model, gpu_memory=2**40, device="cpu").cost
     dense = cost.fixed_bytes + sum(b - r for b, r in zip(cost.block_bytes, cost.routed_bytes, strict=True))
-    budget = dense + int(0.3 * sum(cost.routed_bytes))
+    roomy = dense + int(0.3 * sum(cost.routed_bytes))
+    faster = plan(cost, roomy, profile=ws.REFERENCE_PROFILE, strategy="uva")
+    assert faster.uva_experts and not faster.expert_copies  # predicted faster without copies
     ref = copy.deepcopy(model)
-    with pytest.warns(UserWarning, match="copies no expert"):
-        handle = ws.offload(model, budget, device="cpu", strategy="uva", expert_copies=True,
-                            profile=ws.REFERENCE_PROFILE)
-    assert handle.placement.uva and not handle.placement.expert_copies
-    assert same(call(model, inputs), call(ref, inputs))
-    handle.restore()
+    expected = call(ref, inputs)
+    for budget, copies in ((roomy, True), (cost.fixed_bytes + max(cost.routed_bytes) // 2, False)):
+        offloaded = copy.deepcopy(model)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            handle = ws.offload(offloaded, budget, device="cpu", strategy="uva", expert_copies=True,
+                                profile=ws.REFERENCE_PROFILE)
+        assert handle.placement.uva and bool(handle.placement.expert_copies) == copies
+        assert any("copies no expert" in str(w.message) for w in caught) == (not copies)
+        assert handle.placement.gpu_bytes <= budget
+        assert same(call(offloaded, inputs), expected)
+        handle.restore()
     with pytest.raises(ws.ArgumentError, match="expert_copies=1: give True"):
-        ws.offload(copy.deepcopy(model), budget, device="cpu", expert_copies=1)
+        ws.offload(copy.deepcopy(model), roomy, device="cpu", expert_copies=1)
 
 
 def test_the_command_line_plans_expert_copies_and_refuses_them_with_cuda_graphs(capsys, tmp_path):

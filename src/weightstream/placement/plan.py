@@ -376,7 +376,10 @@ def plan(
         Zipf(routing_skew) law (`experts.zipf_popularity`; 0: uniform), so k slots serve the k most
         popular experts' share of the reads; None: uniform routing.
     expert_copies: blocks read for their routed experts copy them by the copy engine each call instead
-        (`_with_copies`; no cache): one host synchronization per such layer, no CUDA graphs.
+        (`_with_copies`; no cache): one host synchronization per such layer, no CUDA graphs. Asked for,
+        copies are taken wherever their work buffers fit (as compress=True takes compression), even
+        where reading in place is predicted faster: the cost model reads every in-place GEMM at one
+        rate, which some expert shapes fall far below (docs/llm.md).
     """
     model = with_routing_skew(model, routing_skew)
     if strategy not in STRATEGIES:
@@ -391,6 +394,8 @@ def plan(
             return True
         if compress is True and a.compressed != b.compressed:
             return a.compressed
+        if expert_copies and bool(a.expert_copies) != bool(b.expert_copies):  # asked for: where one fits
+            return bool(a.expert_copies)
         # a forward in a loop of them (to a nanosecond: float sums in another order differ by less);
         # ties (streamed groups alone in their slots, which never leave them) go to the first forward
         return (round(a.prediction.again_ms, 6), a.prediction.ms) < (round(b.prediction.again_ms, 6),
