@@ -19,7 +19,7 @@ from torch import nn
 
 from .config import OffloadConfig
 from .devices import resolve_device
-from .engine import expert_cache, guards
+from .engine import coded_experts, expert_cache, guards
 from .engine.engine import StreamEngine
 from .engine.experts import ChoiceCounter, ExpertCounter, RoutedBlock
 from .engine.host import HostArena
@@ -315,7 +315,7 @@ class OffloadHandle:
         object.__delattr__(self.model, _HANDLE_ATTR)
         engine.transfer.close()
         for g, group in enumerate(engine.groups + engine.uva_groups):
-            region = engine.transfer.raw_group(g) if g < len(engine.groups) else engine.arena.region(g)
+            region = engine.transfer.raw_group(g) if g < len(engine.groups) else engine.zero_copy_bytes(g)
             for entry, sl in group:
                 raw = region[sl.offset : sl.offset + sl.nbytes]
                 _set_tensor(entry, entry.copy_of(raw, target))
@@ -364,10 +364,12 @@ def finish(
         if prep.device.type == "cuda":
             region = uva_view(region, prep.device)
         regions.append(region)
+        if j in prep.coded_experts:
+            continue  # its experts are held coded: `install` points them at the work buffers
         for entry, sl in group:
             _set_tensor(entry, entry.view_of(region[sl.offset : sl.offset + sl.nbytes]))
     # cached or copied experts: their parameters view work buffers
-    caches = expert_cache.install(prep, regions, host_regions)
+    caches = expert_cache.install(prep, regions, host_regions, prep.coded_experts)
     slots = [
         torch.empty(placement.slot_bytes, dtype=torch.uint8, device=prep.device)
         for _ in range(placement.n_slots)
@@ -408,9 +410,25 @@ def offload_module(model: nn.Module, config: OffloadConfig) -> OffloadHandle:
         sizes = [enc.wire_bytes if enc else size
                  for enc, size in zip(prep.wire, prep.group_bytes, strict=True)] + prep.uva_group_bytes
         coded = frozenset(g for g, enc in enumerate(prep.wire) if enc is not None)
+    coded_uva = expert_cache.coded_groups(prep)
+    if coded_uva:  # routed experts held coded, one record per expert
+        landing = prep.placement.copy_landing_bytes
+        layouts = coded_experts.size_groups([prep.uva_groups[j] for j in coded_uva],
+                                            [prep.uva_group_bytes[j] for j in coded_uva], landing, prep.device)
+        prep.coded_experts = dict(zip(coded_uva, layouts, strict=True))
+        n = len(prep.groups)
+        sizes = list(sizes)
+        for j, records in prep.coded_experts.items():
+            sizes[n + j] = sum(r.nbytes for r in records)
+        coded = coded | {n + j for j in coded_uva}
     arena = HostArena(sizes, pin=pin, device=prep.device)
     if prep.wire:
         prep.wire = fill_arena(arena, prep.wire, prep.groups, prep.device)
+    if coded_uva:
+        coded_experts.fill_groups([arena.region(len(prep.groups) + j) for j in coded_uva],
+                                  [prep.uva_groups[j] for j in coded_uva],
+                                  [prep.uva_group_bytes[j] for j in coded_uva],
+                                  [prep.coded_experts[j] for j in coded_uva], landing, prep.device)
     places = final_places(prep, arena, keep_on_device=True, disk_groups=coded)  # coded: in the blobs
     streamed = {id(e) for group in prep.host_groups for e, _ in group}
     # Off-device tensors first, each old storage dropped at once, so a model already on the GPU never

@@ -22,6 +22,7 @@ from ..errors import BudgetError, OffloadStateError
 from ..placement.entries import Entry, _set_tensor, module_blocks
 from ..sizes import format_size
 from ..wire.groups import make_transfer
+from . import coded_experts
 from . import ops, replay
 from .host import HostArena
 from .schedule import Schedule
@@ -52,6 +53,9 @@ class StreamEngine:
         self.entries = prep.entries
         self.groups = prep.groups
         self.uva_groups = prep.uva_groups
+        # coded expert copies: zero-copy group j -> (its members at offload, its experts' records)
+        self.coded_experts = {j: (list(prep.uva_groups[j]), records) for j, records in prep.coded_experts.items()}
+        self.uva_group_bytes = prep.uva_group_bytes
         self.arena = arena
         self.arena_version = arena.buffer._version  # moves when a tensor parameters() gave is written
         self.slots = slots
@@ -292,6 +296,15 @@ class StreamEngine:
                 self._members(group).append((w.entry, sl))
                 self.watch.restore(group, w)
                 self.guards.remember_true(w.tensor, (w.entry, group, sl))
+
+    def zero_copy_bytes(self, group: int) -> torch.Tensor:
+        """Zero-copy group `group`'s bytes in its layout (numbered after the streamed groups, as the arena
+        numbers them): its arena region, or for routed experts held coded, a host copy decoded from it."""
+        j = group - len(self.groups)
+        if j not in self.coded_experts:
+            return self.arena.region(group)
+        members, records = self.coded_experts[j]
+        return coded_experts.raw_group(self.arena.region(group), members, self.uva_group_bytes[j], records)
 
     def _members(self, group: int) -> list:
         """The (entry, slice) list of `group` as the watch numbers groups: streamed, then zero copy."""

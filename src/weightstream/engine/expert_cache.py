@@ -55,7 +55,8 @@ from torch import nn
 from ..errors import OffloadStateError
 from ..placement.entries import Entry, _set_tensor
 from ..placement.experts import is_experts
-from . import ops
+from ..placement.layout import pack
+from . import coded_experts, ops
 
 EAGER_WARN_CALLS = 32  # eager forwards on a GPU, no capture seen, after which the cache warns it costs more
 FILL_CALLS = 1 << 40  # calls of a layer during which the cache keeps the most frequent; by default, always
@@ -214,18 +215,24 @@ class ExpertCopy:
         """Copy the rows of every expert some token of `top_k_index` is routed to (indices outside
         0..experts-1, as expert parallelism marks foreign ones, are skipped), consecutive experts in one
         copy each, on the current stream: after whatever read the shared work buffers before."""
-        if top_k_index.is_cuda and torch.cuda.is_current_stream_capturing():
-            raise OffloadStateError(
-                "weightstream: expert copies read each call's routing on the host, which a CUDA graph "
-                "cannot capture: offload with expert_copies=False to decode from CUDA graphs (the routed "
-                "experts are then read in place, or through a GPU expert cache)")
-        flat = top_k_index.reshape(-1).to(torch.int64)
-        hit = torch.zeros(self.experts + 1, dtype=torch.bool, device=flat.device)
-        hit.index_fill_(0, torch.where((flat >= 0) & (flat < self.experts), flat, self.experts), True)
-        routed = hit[: self.experts].nonzero().flatten().tolist()  # the one synchronization, experts long
-        for start, stop in _runs(routed):
+        for start, stop in _runs(routed_on_host(top_k_index, self.experts)):
             for t in self.tensors:
                 t.work[start:stop].copy_(t.host[start:stop], non_blocking=True)
+
+
+def routed_on_host(top_k_index: torch.Tensor, experts: int) -> list[int]:
+    """The experts (sorted, distinct) some token of `top_k_index` is routed to, read on the host: the
+    one synchronization of expert copies per layer. Indices outside 0..experts-1, as expert parallelism
+    marks foreign ones, are skipped. Refused inside a CUDA graph capture, which cannot capture it."""
+    if top_k_index.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise OffloadStateError(
+            "weightstream: expert copies read each call's routing on the host, which a CUDA graph "
+            "cannot capture: offload with expert_copies=False to decode from CUDA graphs (the routed "
+            "experts are then read in place, or through a GPU expert cache)")
+    flat = top_k_index.reshape(-1).to(torch.int64)
+    hit = torch.zeros(experts + 1, dtype=torch.bool, device=flat.device)
+    hit.index_fill_(0, torch.where((flat >= 0) & (flat < experts), flat, experts), True)
+    return hit[:experts].nonzero().flatten().tolist()
 
 
 def _runs(ids: list[int]) -> list[tuple[int, int]]:
@@ -249,33 +256,51 @@ class ExpertCaches:
     blocks; `remove()` takes the hooks off (the parameters then view the host arena again)."""
 
     def __init__(self, layers: list[tuple[nn.Module, list[tuple[Entry, torch.Tensor, torch.Tensor]]]],
-                 slots: int, device: torch.device, fill_calls: int = FILL_CALLS) -> None:
+                 slots: int, device: torch.device, fill_calls: int = FILL_CALLS,
+                 coded: dict[int, tuple] | None = None, landing_bytes: int = 0) -> None:
         """`layers`: (experts module, [(entry, its bytes in the host arena as the device reads them, the
         same bytes as the host addresses them)]) of each layer. `slots` 0: expert copies (`ExpertCopy`)
-        instead of caches."""
+        instead of caches. `coded`: layer index -> (its group's arena region as the host addresses it,
+        its `coded_experts.Record`s): those layers' experts are held coded (`coded_experts.CodedCopy`),
+        through two landing buffers of `landing_bytes`."""
         self.device = device
         self.copies = slots == 0
+        coded = coded or {}
+        self.landing = coded_experts.Landing(landing_bytes, device) if coded else None
         self.blocks: tuple[int, ...] = ()  # the model's blocks they cache (set by `install`)
         self.caches: list[ExpertCache] = []
-        self.work: dict[tuple, torch.Tensor] = {}  # (shapes, dtypes of a layer) -> flat work buffers
+        self.work: dict[tuple, list[torch.Tensor]] = {}  # (shapes, dtypes of a layer) -> work buffers
+        self._flat: dict[tuple, tuple] = {}  # the same -> (one buffer holding them, their slices)
         # (entry, its tensor viewing the work buffer, a view of its host bytes)
         self._host_views: list[tuple[Entry, torch.Tensor, torch.Tensor]] = []
-        for module, tensors in layers:
+        for layer, (module, tensors) in enumerate(layers):
             experts = tensors[0][0].shape[0]
             signature = tuple((e.shape, e.dtype) for e, _, _ in tensors)
-            if signature not in self.work:
-                self.work[signature] = [torch.zeros(e.nbytes, dtype=torch.uint8, device=device)
-                                        for e, _, _ in tensors]
+            if signature not in self.work:  # one buffer, laid out as a zero-copy group of these tensors
+                slices, total = pack([e.nbytes for e, _, _ in tensors])
+                flat = torch.zeros(total, dtype=torch.uint8, device=device)
+                self.work[signature] = [flat[sl.offset : sl.offset + sl.nbytes] for sl in slices]
+                self._flat[signature] = (flat, slices)
             cached = []
             for (entry, host, host_rows), work in zip(tensors, self.work[signature], strict=True):
                 row = entry.nbytes // experts
                 pool = torch.zeros(slots, row, dtype=torch.uint8, device=device)
                 source = host_rows if self.copies else host  # the copy engine takes host addresses
+                if layer in coded:  # no rows of its own in the arena (its records are): the work rows
+                    source = work
                 cached.append(CachedTensor(entry, source.view(experts, row), pool, work.view(experts, row)))
                 _set_tensor(entry, entry.view_of(work))
-                self._host_views.append((entry, entry.tensor, entry.view_of(host)))
-            self.caches.append(ExpertCopy(module, cached, experts) if self.copies else
-                               ExpertCache(module, cached, CacheTable(experts, slots, device, fill_calls)))
+                if layer not in coded:  # coded bytes are no view of the weights: restore() decodes them
+                    self._host_views.append((entry, entry.tensor, entry.view_of(host)))
+            if layer in coded:
+                host_region, records = coded[layer]
+                flat, slices = self._flat[signature]
+                self.caches.append(coded_experts.CodedCopy(module, cached, experts, host_region, flat, records,
+                                                           slices, self.landing))
+            elif self.copies:
+                self.caches.append(ExpertCopy(module, cached, experts))
+            else:
+                self.caches.append(ExpertCache(module, cached, CacheTable(experts, slots, device, fill_calls)))
         # each expert weight's version as installed (`gather` refuses a write since; id -> version)
         self.versions = {id(t.entry.tensor): t.entry.tensor._version for c in self.caches for t in c.tensors}
         self.eager_calls = 0  # forwards run eagerly on a GPU (counted at the first cached layer)
@@ -293,12 +318,23 @@ class ExpertCaches:
     @property
     def work_bytes(self) -> int:
         """Device bytes of the shared work buffers."""
-        return sum(w.numel() for bufs in self.work.values() for w in bufs)
+        return sum(flat.numel() for flat, _ in self._flat.values())
+
+    @property
+    def landing_bytes(self) -> int:
+        """Device bytes of coded copies' landing buffers (0 without)."""
+        return self.landing.nbytes if self.landing is not None else 0
 
     @property
     def nbytes(self) -> int:
-        """Device bytes of the caches: pools plus work buffers."""
-        return self.pool_bytes + self.work_bytes
+        """Device bytes of the caches: pools plus work buffers plus landing buffers."""
+        return self.pool_bytes + self.work_bytes + self.landing_bytes
+
+    def wire_ratio(self) -> float | None:
+        """Coded copies: bytes held (and copied per expert) over their raw bytes; None without."""
+        coded = [c for c in self.caches if isinstance(c, coded_experts.CodedCopy)]
+        raw = sum(c.row_bytes * c.experts for c in coded)
+        return sum(c.wire_bytes for c in coded) / raw if raw else None
 
     def _hook(self, i: int):
         def gather(module: nn.Module, args: tuple):
@@ -384,33 +420,62 @@ class ExpertCaches:
         _CACHES.pop(self.cache_id, None)
 
 
-def install(prep, regions: list[torch.Tensor], host_regions: list[torch.Tensor]) -> ExpertCaches | None:
+def copyable(group: list[tuple]) -> str | None:
+    """None where a zero-copy group's routed tensors can go through a cache or copies (all plain
+    parameters of one experts module called as experts(hidden, top_k_index, top_k_weights), one row per
+    expert, in rows), else the name of the first tensor that cannot."""
+    for entry, _ in group:
+        module = entry.sites[0].module
+        if not (is_experts(module) and isinstance(entry.tensor, nn.Parameter) and entry.flat is None
+                and entry.stride is None  # rows of experts: the layout in rows
+                and len(entry.sites) == 1 and entry.shape[0] == module.num_experts):
+            return entry.name
+    return None
+
+
+def coded_groups(prep) -> list[int]:
+    """The zero-copy groups (indices into `prep.uva_groups`) whose routed experts are held coded: those
+    of `expert_copies` blocks when the placement codes copies, each the tensors of one experts module
+    that copies can take (`copyable`)."""
+    p = prep.placement
+    if not (p.expert_copies and p.copy_landing_bytes):
+        return []
+    return [j for j, (block, group) in enumerate(zip(p.uva, prep.uva_groups, strict=True))
+            if block in p.expert_copies and copyable(group) is None
+            and len({id(e.sites[0].module) for e, _ in group}) == 1]
+
+
+def install(prep, regions: list[torch.Tensor], host_regions: list[torch.Tensor],
+            coded: dict[int, list] | None = None) -> ExpertCaches | None:
     """The expert caches, or expert copies, of `prep.placement` (None without either), over the
     zero-copy groups' arena regions: `regions` as the device reads them (zero-copy views on CUDA),
     `host_regions` the same bytes as the host addresses them (what the copy engine copies from). Each
     such block's routed tensors are grouped by the experts module that holds them; a block whose routed
-    tensors are not all plain parameters of such a module (`placement.experts.is_experts`: called as
-    experts(hidden, top_k_index, top_k_weights)) keeps reading them in place, and a warning names it."""
+    tensors are not all plain parameters of such a module (`copyable`) keeps reading them in place, and a
+    warning names it. `coded`: zero-copy group -> its `coded_experts.Record`s (groups of `coded_groups`,
+    whose regions hold them)."""
     p = prep.placement
+    coded = coded or {}
     chosen = p.expert_copies or p.expert_cache
     layers: list[tuple[nn.Module, list]] = []
+    layer_coded: dict[int, tuple] = {}
     blocks, refused = [], []
-    for block, group, region, host in zip(p.uva, prep.uva_groups, regions, host_regions, strict=True):
+    for j, (block, group, region, host) in enumerate(zip(p.uva, prep.uva_groups, regions, host_regions,
+                                                          strict=True)):
         if block not in chosen:
+            continue
+        name = None if j in coded else copyable(group)  # coded ones were checked before they were emptied
+        if name is not None:
+            refused.append(f"{block} ({name})")
             continue
         modules: dict[int, tuple[nn.Module, list]] = {}
         for entry, sl in group:
-            module = entry.sites[0].module
-            if not (is_experts(module) and isinstance(entry.tensor, nn.Parameter) and entry.flat is None
-                    and entry.stride is None  # rows of experts: the layout in rows
-                    and len(entry.sites) == 1 and entry.shape[0] == module.num_experts):
-                refused.append(f"{block} ({entry.name})")
-                break
-            modules.setdefault(id(module), (module, []))[1].append(
+            modules.setdefault(id(entry.sites[0].module), (entry.sites[0].module, []))[1].append(
                 (entry, region[sl.offset : sl.offset + sl.nbytes], host[sl.offset : sl.offset + sl.nbytes]))
-        else:
-            layers.extend(modules.values())
-            blocks.append(block)
+        if j in coded:
+            layer_coded[len(layers)] = (host, coded[j])
+        layers.extend(modules.values())
+        blocks.append(block)
     if refused:
         what = "expert copies" if p.expert_copies else "a GPU expert cache"
         warnings.warn(f"weightstream: blocks {', '.join(refused)} were placed for {what} but hold routed "
@@ -419,7 +484,8 @@ def install(prep, regions: list[torch.Tensor], host_regions: list[torch.Tensor])
                       stacklevel=3)
     if not layers:
         return None
-    caches = ExpertCaches(layers, 0 if p.expert_copies else p.expert_slots, prep.device)
+    caches = ExpertCaches(layers, 0 if p.expert_copies else p.expert_slots, prep.device, coded=layer_coded,
+                          landing_bytes=p.copy_landing_bytes)
     caches.blocks = tuple(blocks)
     return caches
 

@@ -136,6 +136,10 @@ class ModelGuards:
             if self._decoded[0] != g:
                 self._decoded = (g, transfer.raw_group(g).cpu())
             return self._copy(entry, self._decoded[1][sl.offset : sl.offset + sl.nbytes].clone())
+        if g - len(self.engine.groups) in self.engine.coded_experts:  # routed experts held coded: decode
+            if self._decoded[0] != g:
+                self._decoded = (g, self.engine.zero_copy_bytes(g))
+            return self._copy(entry, self._decoded[1][sl.offset : sl.offset + sl.nbytes].clone())
         return entry.view_of(self.engine.arena.region(g)[sl.offset : sl.offset + sl.nbytes])
 
     def _copy(self, entry, raw: torch.Tensor) -> torch.Tensor:

@@ -136,6 +136,22 @@ class ModelCost:
         expert tensors."""
         return self.routed_bytes[block] if experts_only else self.block_bytes[block]
 
+    def routed_wire_ratio(self, block: int) -> float:
+        """Predicted bytes on the wire over raw bytes of `block`'s routed expert tensors compressed (one
+        blob per expert: each tensor's share of a whole-tensor coding); 1.0 without `tensor_wire`."""
+        if not self.tensor_wire or not self.routed_bytes or not self.routed_bytes[block]:
+            return 1.0
+        at = self.routed_tensors[block]
+        return sum(self.tensor_wire[block][j] for j in at) / sum(self.tensor_bytes[block][j] for j in at)
+
+    def expert_landing_bytes(self, blocks: tuple[int, ...]) -> int:
+        """Bytes of a landing buffer for coded expert copies of `blocks`: the largest expert's predicted
+        blob (its rows of every routed tensor compressed, plus a header) plus 1%."""
+        if not blocks:
+            return 0
+        largest = max(self.routed_bytes[i] // self.experts * self.routed_wire_ratio(i) for i in blocks)
+        return -(-(int(largest * 1.01) + 4096) // 256) * 256
+
     def cache_hit(self, slots: int) -> float:
         """The share of routed expert reads a GPU expert cache of `slots` slots per layer serves: the
         popularity of the `slots` most popular experts (`popularity`), slots / experts under uniform
@@ -154,7 +170,7 @@ class ModelCost:
             return 0
         pools = sum(self.routed_bytes[i] // self.experts * slots for i in blocks)
         work = {tuple(self.tensor_bytes[i][j] for j in self.routed_tensors[i]) for i in blocks}
-        return pools + sum(sum(sizes) for sizes in work)
+        return pools + sum(pack(list(sizes))[1] for sizes in work)  # each set in one buffer, packed
 
     def uva_staging(self, block: int, experts_only: bool = False) -> int:
         """Host bytes of `block`'s zero-copy region (aligned layout): all of it, or its routed experts."""
@@ -258,6 +274,7 @@ def predict(
     expert_cache: tuple[int, ...] = (),
     expert_slots: int = 0,
     expert_copies: tuple[int, ...] = (),
+    coded_copies: bool = False,
 ) -> Prediction:
     """Predict one forward of `tokens` tokens with blocks `streamed` (through `n_slots` slots; each
     streams its `part` largest tensors, 0: all of it) and `uva` (zero copy), the rest resident: the
@@ -288,7 +305,9 @@ def predict(
     device, the rest read in place once (at the one-token zero-copy rate, whatever the tokens), plus
     the table update and gather's own `profile.expert_gather_seconds`. Blocks of `expert_copies` (a
     subset of `uva_experts`) wait for the host to read their routing (`profile.expert_sync_seconds`),
-    then copy the routed experts over the link at the copy rate and read them resident."""
+    then copy the routed experts over the link at the copy rate and read them resident; `coded_copies`:
+    copy their blobs (`ModelCost.routed_wire_ratio` of the bytes), each expert's decode overlapping the
+    next one's copy, so a layer waits for the decode of its last expert after its copies."""
     group_of = {block: g for g, block in enumerate(streamed)}
     extra = profile.block_extra_seconds(model.width, tokens)  # every block, wherever its weights are
     on_device = model.block_seconds(tokens, profile)  # each block's seconds, its weights resident
@@ -392,8 +411,11 @@ def predict(
                         wait, after = 0.0, profile.expert_gather_seconds
                     else:  # every routed expert, by the copy engine once the host has read the routing
                         nbytes = sum(b for b, _ in routed)
-                        seconds = profile.copy_seconds(nbytes)
                         wait, after = profile.expert_sync_seconds, 0.0
+                        if coded_copies:  # the blobs cross; the last expert's decode follows them
+                            after = profile.decode_seconds(model.routed_bytes[block] // model.experts)
+                            nbytes *= model.routed_wire_ratio(block)
+                        seconds = profile.copy_seconds(nbytes)
                     compute += profile.resident_seconds(dense, m) + wait
                     compute = copy = max(compute, copy) + seconds
                     link[forward] += seconds

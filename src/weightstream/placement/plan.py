@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from ..errors import ArgumentError, BudgetError
 from ..sizes import format_size
+from ..wire import codec
 from .cost import ModelCost, Prediction, predict
 from .experts import zipf_popularity
 from .layout import align_up
@@ -67,6 +68,10 @@ class Placement:
     # once the host has read the routing (engine/expert_cache.ExpertCopy; their work buffers count in
     # cache_bytes); eager and compiled only: a CUDA graph cannot capture the host's read
     expert_copies: tuple[int, ...] = ()
+    # coded expert copies: the routed experts of `expert_copies` are held in host memory compressed, one
+    # blob per expert (codec.py), copied into one of two landing buffers of this many bytes and decoded
+    # into the work buffers (engine/coded_experts.py); 0: copied raw
+    copy_landing_bytes: int = 0
 
     @property
     def compressed(self) -> bool:
@@ -87,8 +92,9 @@ class Placement:
 
     @property
     def gpu_bytes(self) -> int:
-        """GPU bytes of weights: resident tensors plus staging slots plus the expert cache."""
-        return self.resident_bytes + self.staging_bytes + self.cache_bytes
+        """GPU bytes of weights: resident tensors plus staging slots plus the expert cache (or the expert
+        copies' work buffers, and their two landing buffers when coded)."""
+        return self.resident_bytes + self.staging_bytes + self.cache_bytes + 2 * self.copy_landing_bytes
 
     @property
     def streamed_bytes(self) -> int:
@@ -105,7 +111,7 @@ class Placement:
 def predict_placement(model: ModelCost, p: Placement, tokens: int, profile: MachineProfile) -> Prediction:
     """The cost model's prediction of placement `p` of `model` at `tokens` tokens per forward."""
     return predict(model, p.streamed, p.n_slots, p.uva, tokens, profile, p.part, p.compressed, p.n_landing,
-                   p.uva_experts, p.expert_cache, p.expert_slots, p.expert_copies)
+                   p.uva_experts, p.expert_cache, p.expert_slots, p.expert_copies, bool(p.copy_landing_bytes))
 
 
 def wire_of(model: ModelCost, p: Placement) -> tuple[int, int]:
@@ -212,15 +218,21 @@ def _expert_candidates(n: int, strategy: str, max_slots: int, apart: tuple[int, 
 
 
 def _with_copies(model: ModelCost, p: Placement, budget: int, tokens: int, profile: MachineProfile,
-                 host_bytes: int | None, strategy: str) -> Placement | None:
+                 host_bytes: int | None, strategy: str, coded: bool = False) -> Placement | None:
     """Placement `p` with the routed experts of each of its blocks read for them copied by the copy
-    engine instead (`Placement.expert_copies`); None where their work buffers do not fit the budget."""
+    engine instead (`Placement.expert_copies`), held compressed where `coded`; None where their work
+    buffers (and landing buffers) do not fit the budget."""
     blocks = _plain_expert_blocks(model, p)
     if not blocks:
         return None
     return placement_of(model, p.streamed, p.n_slots, p.uva, p.part, tokens, profile, budget, host_bytes,
                         strategy, p.compressed, p.landing_buffers or None, uva_experts=p.uva_experts,
-                        expert_copies=blocks)
+                        expert_copies=blocks, coded_copies=coded)
+
+
+def _coded(p: Placement) -> bool:
+    """Whether placement `p` moves bytes compressed: streamed groups, or copied experts."""
+    return p.compressed or bool(p.copy_landing_bytes)
 
 
 def _plain_expert_blocks(model: ModelCost, p: Placement) -> tuple[int, ...]:
@@ -262,6 +274,7 @@ def placement_of(
     expert_cache: tuple[int, ...] = (),
     expert_slots: int = 0,
     expert_copies: tuple[int, ...] = (),
+    coded_copies: bool = False,
 ) -> Placement | None:
     """The placement that streams blocks `streamed` through `n_slots` slots (each block's `part`
     largest tensors; 0: all of it) and reads blocks `uva` in place, with its predicted time; None when
@@ -272,8 +285,9 @@ def placement_of(
     place (`ModelCost.experts_apart`), the rest of each resident. `expert_cache`: blocks of
     `uva_experts` whose routed experts go through a GPU cache of `expert_slots` slots each
     (`ModelCost.cache_bytes`); `expert_copies`: blocks of `uva_experts` (none of them cached) whose
-    routed experts the copy engine copies into work buffers every call. Tests and tools use it to force
-    a placement."""
+    routed experts the copy engine copies into work buffers every call; `coded_copies`: held compressed
+    in host memory and decoded on the GPU (two landing buffers of `ModelCost.expert_landing_bytes`;
+    None where the experts would not shrink). Tests and tools use it to force a placement."""
     if profile is None:
         from .probe import H200 as profile
     sizes = model.block_bytes
@@ -291,6 +305,8 @@ def placement_of(
         raise ArgumentError(f"expert_copies={expert_copies}: name blocks of uva_experts={uva_experts}, with "
                             f"no expert_cache (given {expert_cache}): a placement caches experts or copies "
                             "them, not both")
+    if coded_copies and not expert_copies:
+        raise ArgumentError("coded_copies=True: name the blocks whose experts are copied (expert_copies)")
     options = landing_options(n_slots, len(streamed))
     if landing_buffers is None:
         landing_buffers = options[0]
@@ -308,18 +324,22 @@ def placement_of(
     n_landing = landing_buffers if landing else 0
     staging = n_slots * slot + n_landing * landing
     cache = model.cache_bytes(expert_cache, expert_slots) + model.cache_bytes(expert_copies, 0)
-    if budget is not None and resident + staging + cache > budget:
+    copy_landing = model.expert_landing_bytes(expert_copies) if coded_copies else 0
+    if coded_copies and max(model.routed_wire_ratio(i) for i in expert_copies) > codec.MAX_RATIO:
+        return None  # experts that would not shrink (they would be copied raw)
+    if budget is not None and resident + staging + cache + 2 * copy_landing > budget:
         return None
     if host_bytes is not None and host_need(model, streamed, uva, part, uva_experts) > host_bytes:
         return None
     prediction = predict(model, streamed, n_slots, uva, tokens, profile, part, bool(landing), n_landing,
-                         uva_experts, expert_cache, expert_slots, expert_copies)
+                         uva_experts, expert_cache, expert_slots, expert_copies, bool(copy_landing))
     total = model.fixed_bytes + sum(sizes)
     return Placement(tuple(streamed), n_slots, slot, resident, total - resident, tuple(uva),
                      sum(model.uva_bytes(i, i in uva_experts) for i in uva), prediction, part,
                      requested_strategy=strategy, landing_bytes=landing, landing_buffers=n_landing,
                      uva_experts=tuple(uva_experts), expert_cache=tuple(expert_cache),
-                     expert_slots=expert_slots, cache_bytes=cache, expert_copies=tuple(expert_copies))
+                     expert_slots=expert_slots, cache_bytes=cache, expert_copies=tuple(expert_copies),
+                     copy_landing_bytes=copy_landing)
 
 
 def check_routing_skew(skew) -> None:
@@ -355,6 +375,7 @@ def plan(
     expert_cache: bool = True,
     routing_skew: float | None = None,
     expert_copies: bool = False,
+    coded_copies: bool = True,
 ) -> Placement:
     """The fastest placement of `model` whose weights fit in `budget` bytes of GPU memory.
 
@@ -379,7 +400,9 @@ def plan(
         (`_with_copies`; no cache): one host synchronization per such layer, no CUDA graphs. Asked for,
         copies are taken wherever their work buffers fit (as compress=True takes compression), even
         where reading in place is predicted faster: the cost model reads every in-place GEMM at one
-        rate, which some expert shapes fall far below (docs/llm.md).
+        rate, which some expert shapes fall far below (docs/llm.md). Where `compress` allows and
+        `coded_copies`, the copied experts may be held compressed (one blob per expert, decoded on the
+        GPU): taken where predicted faster, or wherever they fit with compress=True.
     """
     model = with_routing_skew(model, routing_skew)
     if strategy not in STRATEGIES:
@@ -388,14 +411,15 @@ def plan(
         raise ArgumentError(f"compress={compress!r}: choose True, False or 'auto'")
     # compress=True still falls back to raw groups where no compressed placement fits the budget
     options = (False, True) if model.tensor_wire and compress is not False else (False,)
+    code_copies = bool(model.tensor_wire) and compress is not False and coded_copies
 
     def better(a: Placement, b: Placement | None) -> bool:
         if b is None:
             return True
-        if compress is True and a.compressed != b.compressed:
-            return a.compressed
         if expert_copies and bool(a.expert_copies) != bool(b.expert_copies):  # asked for: where one fits
             return bool(a.expert_copies)
+        if compress is True and _coded(a) != _coded(b):
+            return _coded(a)
         # a forward in a loop of them (to a nanosecond: float sums in another order differ by less);
         # ties (streamed groups alone in their slots, which never leave them) go to the first forward
         return (round(a.prediction.again_ms, 6), a.prediction.ms) < (round(b.prediction.again_ms, 6),
@@ -415,8 +439,11 @@ def plan(
                 candidate = placement_of(model, streamed, n_slots, uva, part, tokens, profile, budget,
                                          host_bytes, strategy, compressed, buffers, uva_experts)
                 if candidate is not None and uva_experts and expert_copies:  # where the work buffers fit
-                    candidate = _with_copies(model, candidate, budget, tokens, profile, host_bytes,
-                                             strategy) or candidate
+                    for coded in (False, True) if code_copies else (False,):
+                        copied = _with_copies(model, candidate, budget, tokens, profile, host_bytes, strategy,
+                                              coded)
+                        if copied is not None and better(copied, best):
+                            best = copied
                 if candidate is not None and better(candidate, best):
                     best = candidate
                 if candidate is not None and expert_cache and uva_experts and not compressed and \
