@@ -413,8 +413,9 @@ def offload_module(model: nn.Module, config: OffloadConfig) -> OffloadHandle:
     coded_uva = expert_cache.coded_groups(prep)
     if coded_uva:  # routed experts held coded, one record per expert
         landing = prep.placement.copy_landing_bytes
-        layouts = coded_experts.size_groups([prep.uva_groups[j] for j in coded_uva],
-                                            [prep.uva_group_bytes[j] for j in coded_uva], landing, prep.device)
+        groups = [prep.uva_groups[j] for j in coded_uva]
+        group_bytes = [prep.uva_group_bytes[j] for j in coded_uva]
+        layouts = coded_experts.size_groups(groups, group_bytes, landing, prep.device)
         prep.coded_experts = dict(zip(coded_uva, layouts, strict=True))
         n = len(prep.groups)
         sizes = list(sizes)
@@ -425,10 +426,8 @@ def offload_module(model: nn.Module, config: OffloadConfig) -> OffloadHandle:
     if prep.wire:
         prep.wire = fill_arena(arena, prep.wire, prep.groups, prep.device)
     if coded_uva:
-        coded_experts.fill_groups([arena.region(len(prep.groups) + j) for j in coded_uva],
-                                  [prep.uva_groups[j] for j in coded_uva],
-                                  [prep.uva_group_bytes[j] for j in coded_uva],
-                                  [prep.coded_experts[j] for j in coded_uva], landing, prep.device)
+        regions = [arena.region(len(prep.groups) + j) for j in coded_uva]
+        coded_experts.fill_groups(regions, groups, group_bytes, layouts, landing, prep.device)
     places = final_places(prep, arena, keep_on_device=True, disk_groups=coded)  # coded: in the blobs
     streamed = {id(e) for group in prep.host_groups for e, _ in group}
     # Off-device tensors first, each old storage dropped at once, so a model already on the GPU never

@@ -91,9 +91,10 @@ def size_groups(groups: list[list[tuple]], group_bytes: list[int], landing_bytes
             total += 1
         layouts.append(records)
     if raw_count:
-        warnings.warn(f"weightstream: {raw_count} of {total} routed experts placed for coded copies are copied "
-                      "raw: their rows would not shrink, sit at offsets the GPU decoder cannot write, or code "
-                      "larger than the planned landing buffer (those cross the link at full size)", stacklevel=4)
+        warnings.warn(f"weightstream: {raw_count} of {total} routed experts placed for coded copies are "
+                      "copied raw: their rows would not shrink, sit at offsets the GPU decoder cannot write, "
+                      "or code larger than the planned landing buffer (those cross the link at full size)",
+                      stacklevel=4)
     return layouts
 
 
@@ -108,8 +109,8 @@ def fill_groups(regions: list[torch.Tensor], groups: list[list[tuple]], group_by
             if rec.chunks:
                 enc = _encode(group, e, nbytes, landing_bytes, where)
                 if enc is None or enc.wire_bytes != rec.nbytes:
-                    raise RuntimeError(f"weightstream: expert {e} of a coded layer encoded to a different size "
-                                       "the second time")
+                    raise RuntimeError(f"weightstream: expert {e} of a coded layer encoded to a different "
+                                       "size the second time")
                 out.copy_(enc.blob)
                 continue
             cursor = 0
@@ -119,7 +120,8 @@ def fill_groups(regions: list[torch.Tensor], groups: list[list[tuple]], group_by
                 cursor += n
 
 
-def raw_group(region: torch.Tensor, group: list[tuple], group_bytes: int, records: list[Record]) -> torch.Tensor:
+def raw_group(region: torch.Tensor, group: list[tuple], group_bytes: int,
+              records: list[Record]) -> torch.Tensor:
     """The group's raw bytes in its layout (a new CPU tensor), decoded from its records in `region`
     (host bytes) by the reference decoder."""
     out = torch.zeros(group_bytes, dtype=torch.uint8)

@@ -22,8 +22,7 @@ from ..errors import BudgetError, OffloadStateError
 from ..placement.entries import Entry, _set_tensor, module_blocks
 from ..sizes import format_size
 from ..wire.groups import make_transfer
-from . import coded_experts
-from . import ops, replay
+from . import coded_experts, ops, replay
 from .host import HostArena
 from .schedule import Schedule
 from .watch import REBOUND, TensorWatch, Watched, _at, holds_again, peft_layers
@@ -54,7 +53,8 @@ class StreamEngine:
         self.groups = prep.groups
         self.uva_groups = prep.uva_groups
         # coded expert copies: zero-copy group j -> (its members at offload, its experts' records)
-        self.coded_experts = {j: (list(prep.uva_groups[j]), records) for j, records in prep.coded_experts.items()}
+        self.coded_experts = {j: (list(prep.uva_groups[j]), records)
+                              for j, records in prep.coded_experts.items()}
         self.uva_group_bytes = prep.uva_group_bytes
         self.arena = arena
         self.arena_version = arena.buffer._version  # moves when a tensor parameters() gave is written

@@ -295,12 +295,13 @@ class ExpertCaches:
             if layer in coded:
                 host_region, records = coded[layer]
                 flat, slices = self._flat[signature]
-                self.caches.append(coded_experts.CodedCopy(module, cached, experts, host_region, flat, records,
-                                                           slices, self.landing))
+                self.caches.append(coded_experts.CodedCopy(module, cached, experts, host_region, flat,
+                                                           records, slices, self.landing))
             elif self.copies:
                 self.caches.append(ExpertCopy(module, cached, experts))
             else:
-                self.caches.append(ExpertCache(module, cached, CacheTable(experts, slots, device, fill_calls)))
+                table = CacheTable(experts, slots, device, fill_calls)
+                self.caches.append(ExpertCache(module, cached, table))
         # each expert weight's version as installed (`gather` refuses a write since; id -> version)
         self.versions = {id(t.entry.tensor): t.entry.tensor._version for c in self.caches for t in c.tensors}
         self.eager_calls = 0  # forwards run eagerly on a GPU (counted at the first cached layer)

@@ -402,9 +402,9 @@ def load_into_place(model: nn.Module, folder: Path, config: OffloadConfig, host_
     # expert copies are planned raw: the checkpoint is read straight into the arena, not coded per expert
     prep = prepare(model, config, allow_meta=True, host_bytes=host_bytes, coded_copies=False)
     if prep.placement.copy_landing_bytes:
-        raise ArgumentError("from_pretrained reads a checkpoint straight into host memory, which holds expert "
-                            "copies raw: give a placement with copy_landing_bytes=0, or build the model and "
-                            "weightstream.offload() it to hold its experts compressed")
+        raise ArgumentError("from_pretrained reads a checkpoint straight into host memory, which holds "
+                            "expert copies raw: give a placement with copy_landing_bytes=0, or build the "
+                            "model and weightstream.offload() it to hold its experts compressed")
     pairs = _match(model, prep.entries, stored, folder)
     host_limit = None if host_bytes is None else host_bytes - sum(prep.uva_group_bytes)
     if host_limit is not None and host_limit < 0:  # the planner keeps to cpu_memory: a safety net
