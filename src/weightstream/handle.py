@@ -90,6 +90,7 @@ class OffloadStats:
     # since offload or count_experts() (None: no cache, or nothing reached)
     cache_bytes: int = 0
     expert_hit_rate: float | None = None
+    expert_wire_ratio: float | None = None  # coded expert copies: bytes held and copied over raw bytes
 
     @property
     def disk_ratio(self) -> float:
@@ -186,6 +187,7 @@ class OffloadHandle:
             expert_bytes_per_token=self._experts.bytes_per_token() if self._experts else None,
             cache_bytes=self.expert_caches.nbytes if self.expert_caches else 0,
             expert_hit_rate=self.expert_caches.hit_rate() if self.expert_caches else None,
+            expert_wire_ratio=self.expert_caches.wire_ratio() if self.expert_caches else None,
         )
 
     def count_experts(self, on: bool = True) -> None:

@@ -105,8 +105,13 @@ def plan_report(model_name: str, gpu_memory: int | str | OffloadConfig, tokens: 
         # pool of `slots` experts each; bytes: the pools plus their work buffers (in gpu_bytes)
         # expert copies: blocks (of experts_only_blocks) whose routed experts the copy engine copies
         # into work buffers every forward once the host has read the routing; bytes: the work buffers
+        # coded: held compressed, one blob per expert, decoded on the GPU through two landing buffers
+        # of landing_bytes (in gpu_bytes); wire_ratio: the routed experts' predicted compressed share
         "expert_copies": {"blocks": list(p.expert_copies),
-                          "bytes": cost.cache_bytes(p.expert_copies, 0)},
+                          "bytes": cost.cache_bytes(p.expert_copies, 0),
+                          "coded": bool(p.copy_landing_bytes), "landing_bytes": p.copy_landing_bytes,
+                          "wire_ratio": (round(sum(cost.routed_wire_ratio(i) for i in p.expert_copies)
+                                               / len(p.expert_copies), 3) if p.copy_landing_bytes else 1.0)},
         "expert_cache": {"blocks": list(p.expert_cache), "slots": p.expert_slots,
                          "bytes": p.cache_bytes - cost.cache_bytes(p.expert_copies, 0),
                          "experts": cost.experts, "hit_share": cost.cache_hit(p.expert_slots),
@@ -184,7 +189,10 @@ def format_report(r: dict) -> str:
           if r.get("expert_cache", {}).get("blocks") else []),
         *([f"{'expert copies':13}{len(r['expert_copies']['blocks']):>7}"
            f"{size(r['expert_copies']['bytes']):>14}   work buffers; each forward the host reads the "
-           "routing and the copy engine copies the routed experts in (eager and compiled, no CUDA graphs)"]
+           "routing and the copy engine copies the routed experts in (eager and compiled, no CUDA graphs)"
+           + (f"; held compressed (ratio {r['expert_copies']['wire_ratio']:.3f}), decoded on the GPU through "
+              f"2 landing buffers x {size(r['expert_copies']['landing_bytes'])}"
+              if r['expert_copies'].get("coded") else "")]
           if r.get("expert_copies", {}).get("blocks") else []),
         f"on the wire: {size(r['wire']['bytes'])} of {size(r['wire']['raw_bytes'])} streamed per forward, "
         + (f"compressed (ratio {r['wire']['ratio']:.3f}; landing buffers {r['wire']['landing_buffers']} x "

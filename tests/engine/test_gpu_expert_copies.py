@@ -1,7 +1,8 @@
 """Expert copies on the GPU: the model zoo's mixtures of experts in bf16 under a forced placement (every
-block's routed experts copied by the copy engine, not the machine's profile), outputs `torch.equal` to
-the resident model, the expert bytes off the GPU, and a CUDA graph capture refused with a message
-saying what to change. Skipped without CUDA; run with `pytest -m gpu`."""
+block's routed experts copied by the copy engine, raw or held coded and decoded by the Triton decoder;
+not the machine's profile), outputs `torch.equal` to the resident model, the expert bytes off the GPU,
+and a CUDA graph capture refused with a message saying what to change. Skipped without CUDA; run with
+`pytest -m gpu`."""
 
 from __future__ import annotations
 
@@ -20,24 +21,29 @@ from weightstream.placement.prepare import prepare
 pytestmark = pytest.mark.gpu
 
 
-def copied(model):
-    cost = prepare(model, gpu_memory=2**40).cost
+def copied(model, coded: bool = False):
+    cost = prepare(model, gpu_memory=2**40, compress=coded).cost
     apart = tuple(i for i in range(len(cost.block_bytes)) if cost.experts_apart(i))
-    placement = placement_of(cost, (), 0, apart, uva_experts=apart, expert_copies=apart)
+    placement = placement_of(cost, (), 0, apart, uva_experts=apart, expert_copies=apart, coded_copies=coded)
     handle = ws.offload(model, gpu_memory=placement.gpu_bytes, placement=placement)
     assert handle.expert_caches is not None and handle.expert_caches.copies
     assert len(handle.expert_caches.blocks) == len(apart)
     return handle
 
 
+@pytest.mark.parametrize("coded", [False, True], ids=["raw", "coded"])
 @pytest.mark.parametrize("name", CACHED)
-def test_copied_experts_are_exact_and_their_bytes_leave_the_gpu(name):
+def test_copied_experts_are_exact_and_their_bytes_leave_the_gpu(name, coded):
     ref, model, ids = gpu_twin(name)
     gc.collect()
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
-    handle = copied(model)
+    handle = copied(model, coded)
     stats = handle.stats
+    if coded:  # every expert held coded: the arena holds less than the experts' bytes
+        records = [r for c in handle.expert_caches.caches for r in c.records]
+        assert all(r.chunks for r in records) and 0.5 < stats.expert_wire_ratio < 0.95
+        assert handle.engine.arena.nbytes == sum(r.nbytes for r in records) < stats.uva_bytes
     freed = before - torch.cuda.memory_allocated()
     slack = 512 * sum(1 for _ in model.parameters())  # the caching allocator's 512-byte rounding
     # the routed experts left; the shared work buffers came

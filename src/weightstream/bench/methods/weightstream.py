@@ -33,7 +33,8 @@ def placement_text(handle: OffloadHandle) -> str:
     if p.expert_cache:
         experts += f", an expert cache of {p.expert_slots} slots in {len(p.expert_cache)} blocks"
     if p.expert_copies:
-        experts += f", routed experts copied by the copy engine in {len(p.expert_copies)} blocks"
+        coded = " (held compressed)" if p.copy_landing_bytes else ""
+        experts += f", routed experts copied by the copy engine in {len(p.expert_copies)} blocks{coded}"
     return f"{p.kind}: {len(p.streamed)} streamed{part} / {p.n_slots} slots, {len(p.uva)} zero copy{experts}"
 
 
@@ -127,8 +128,13 @@ METHODS = (
            in_default=False),
     Method("ws-auto-copies", ws_prepare("auto", expert_copies=True), ("eager", "compiled"),
            "weightstream, the planner's choice with routed experts copied by the copy engine once the host "
-           "has read the routing (expert_copies=True; no CUDA graphs)", gives_reference=True,
-           in_default=False),
+           "has read the routing (expert_copies=True; no CUDA graphs; held compressed where the planner "
+           "predicts it faster)", gives_reference=True, in_default=False),
+    Method("ws-auto-copies-raw", ws_prepare("auto", expert_copies=True, compress=False),
+           ("eager", "compiled"),
+           "weightstream, the planner's choice with routed experts copied raw by the copy engine once the "
+           "host has read the routing (expert_copies=True, compress=False; no CUDA graphs)",
+           gives_reference=True, in_default=False),
     Method("ws-uva-whole-blocks", ws_prepare("uva", experts_apart=False), MODES,
            "weightstream, blocks read in place from pinned memory whole (a mixture of experts' dense "
            "tensors too, every token)", gives_reference=True, in_default=False),

@@ -1,0 +1,186 @@
+"""Coded expert copies on the CPU (synchronous backend, the reference decoder): routed experts held
+compressed in host memory, one record per expert, decoded into the work buffers each call. The model
+zoo's mixtures of experts in bf16 `torch.equal` to the resident model (eager and traced), the rows a
+call decodes under drawn routings, experts copied raw beside coded ones, the true values state_dict()
+and restore() give, what the planner and cost model make of it, and from_pretrained's refusal."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import warnings
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from model_zoo import ZOO, call, same
+from test_expert_cache import CACHED, inputs_like, restores_true_state
+
+import weightstream as ws
+from weightstream.engine.coded_experts import CodedCopy
+from weightstream.errors import ArgumentError
+from weightstream.placement.plan import placement_of, plan
+from weightstream.placement.prepare import prepare
+
+
+def bf16_model(name: str):
+    model, inputs = ZOO[name]()
+    return model.to(torch.bfloat16).eval().requires_grad_(False), inputs
+
+
+def coded_placement(model, **changes):
+    """Every block's routed experts copied and held coded (the placement forced, any profile)."""
+    cost = prepare(model, gpu_memory=2**40, device="cpu", compress=True).cost
+    apart = tuple(i for i in range(len(cost.block_bytes)) if cost.experts_apart(i))
+    placement = placement_of(cost, (), 0, apart, uva_experts=apart, expert_copies=apart, coded_copies=True)
+    return dataclasses.replace(placement, **changes), cost
+
+
+def coded_offload(model, **changes):
+    placement, cost = coded_placement(model, **changes)
+    return ws.offload(model, gpu_memory=placement.gpu_bytes, device="cpu", placement=placement), cost
+
+
+@pytest.mark.parametrize("name", CACHED)
+def test_coded_copies_are_exact_and_hold_the_experts_compressed(name):
+    model, inputs = bf16_model(name)
+    ref = copy.deepcopy(model)
+    handle, cost = coded_offload(model)
+    caches = handle.expert_caches
+    coded = [c for c in caches.caches if isinstance(c, CodedCopy)]
+    assert len(coded) == len(caches.caches) == len(handle.placement.expert_copies)
+    assert all(r.chunks for c in coded for r in c.records)  # every expert of the zoo's codes
+    stats = handle.stats
+    assert 0.5 < stats.expert_wire_ratio < 0.95
+    # the arena holds the records, not the raw experts: pinned (host) bytes shrink by the coded share
+    held = sum(c.wire_bytes for c in coded)
+    assert handle.engine.arena.nbytes == held
+    assert stats.cache_bytes == caches.work_bytes + 2 * handle.placement.copy_landing_bytes
+    for seed in range(3):
+        batch = inputs_like(inputs, seed)
+        assert same(call(model, batch), call(ref, batch)), seed
+    decode = dict(inputs, input_ids=inputs["input_ids"][:, :1])
+    assert same(call(model, decode), call(ref, decode))
+    restores_true_state(handle, model, ref, inputs)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.lists(st.integers(-1, 4), min_size=1, max_size=6), min_size=1, max_size=4),
+       st.integers(0, 3))
+def test_a_call_decodes_exactly_the_rows_of_the_experts_it_routes_to(routings, layer):
+    """Under drawn routings (indices past the experts skipped), each call leaves every routed expert's
+    rows in the work buffer equal to the true weights and the rows of experts not routed as they were."""
+    model, _ = _MIXTRAL
+    handle, _ = coded_offload(copy.deepcopy(model))
+    caches = handle.expert_caches
+    truth = [w for k, w in _TRUE.items() if f"layers.{layer}." in k]
+    cache = caches.caches[layer]
+    for routing in routings:
+        for t in cache.tensors:
+            t.work.fill_(0xAB)
+        caches.gather(layer, torch.tensor(routing))
+        for t, true in zip(cache.tensors, truth, strict=True):
+            for e in range(cache.experts):
+                rows = t.work[e].view(true.dtype).view(true.shape[1:])
+                if e in routing:
+                    assert torch.equal(rows, true[e]), (routing, e)
+                else:
+                    assert bool((t.work[e] == 0xAB).all()), (routing, e)
+    handle.restore()
+
+
+_MIXTRAL = bf16_model("mixtral")
+_TRUE = {k: v.clone() for k, v in _MIXTRAL[0].state_dict().items() if "experts" in k}
+
+
+def test_experts_whose_blobs_would_not_fit_the_landing_buffer_are_copied_raw_beside_coded_ones():
+    """A landing buffer smaller than some experts' blobs: those are held raw (a warning counts them) and
+    copied into their rows, the others decoded; outputs exact all the same."""
+    model, inputs = bf16_model("qwen3_moe")
+    ref = copy.deepcopy(model)
+    placement, _ = coded_placement(model)
+    cut = max(_blob_sizes(model, placement)) - 1  # the largest blobs do not fit
+    with pytest.warns(UserWarning, match="copied raw"):
+        handle = ws.offload(model, gpu_memory=placement.gpu_bytes, device="cpu",
+                            placement=dataclasses.replace(placement, copy_landing_bytes=cut))
+    records = [r for c in handle.expert_caches.caches for r in c.records]
+    assert any(r.chunks == 0 for r in records) and any(r.chunks for r in records)
+    for seed in range(3):
+        batch = inputs_like(inputs, seed)
+        assert same(call(model, batch), call(ref, batch)), seed
+    restores_true_state(handle, model, ref, inputs)
+
+
+def _blob_sizes(model, placement) -> list[int]:
+    handle = ws.offload(copy.deepcopy(model), gpu_memory=placement.gpu_bytes, device="cpu",
+                        placement=placement)
+    sizes = [r.nbytes for c in handle.expert_caches.caches for r in c.records]
+    handle.restore()
+    return sizes
+
+
+def test_a_float32_model_holds_its_experts_raw_and_says_so():
+    """The codec codes bf16 and fp16: float32 experts are held raw (a warning), exact."""
+    model, inputs = ZOO["mixtral"]()
+    model = model.eval().requires_grad_(False)
+    ref = copy.deepcopy(model)
+    placement, _ = coded_placement(copy.deepcopy(model).to(torch.bfloat16))
+    cost = prepare(model, gpu_memory=2**40, device="cpu").cost
+    placement = dataclasses.replace(placement, cache_bytes=cost.cache_bytes(placement.expert_copies, 0))
+    with pytest.warns(UserWarning, match="copied raw"):
+        handle = ws.offload(model, gpu_memory=2**40, device="cpu", placement=placement)
+    assert all(r.chunks == 0 for c in handle.expert_caches.caches for r in c.records)
+    assert same(call(model, inputs), call(ref, inputs))
+    handle.restore()
+
+
+def test_compiled_fullgraph_decodes_the_coded_experts_in_the_opaque_op():
+    model, inputs = bf16_model("mixtral")
+    ref = copy.deepcopy(model)
+    handle, _ = coded_offload(model)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    for seed in range(2):
+        batch = inputs_like(inputs, seed)
+        assert same(call(compiled, batch), call(ref, batch))
+    torch._dynamo.reset()
+    handle.restore()
+
+
+def test_the_planner_holds_copied_experts_coded_where_predicted_faster_and_never_without_compression():
+    """Mixtral-8x7B's shape at 25% on the reference profile: with expert copies and compression allowed
+    the planner holds the copied experts coded (the blobs, about 0.71 of the bytes, cross the link and
+    the prediction drops); with compress=False, or coded_copies=False (from_pretrained), raw."""
+    from weightstream.placement.shapes import meta_model
+
+    cost = prepare(meta_model("mixtral-8x7b", torch.bfloat16), gpu_memory=2**40, device="cpu",
+                   allow_meta=True, compress=True).cost
+    budget = int(21.75 * 2**30)
+    profile = ws.REFERENCE_PROFILE
+    coded = plan(cost, budget, profile=profile, expert_copies=True)
+    raw = plan(cost, budget, profile=profile, expert_copies=True, compress=False)
+    kept_raw = plan(cost, budget, profile=profile, expert_copies=True, coded_copies=False)
+    assert coded.expert_copies and coded.copy_landing_bytes > 0 and coded.gpu_bytes <= budget
+    assert raw.expert_copies and raw.copy_landing_bytes == 0
+    assert kept_raw.copy_landing_bytes == 0
+    assert coded.prediction.ms < raw.prediction.ms
+    assert coded.prediction.link_bytes < 0.75 * raw.prediction.link_bytes
+    # the landing buffers hold the largest expert's predicted blob and count in the GPU bytes
+    one_expert = max(cost.routed_bytes[i] // cost.experts for i in coded.expert_copies)
+    assert 0.7 * one_expert < coded.copy_landing_bytes < one_expert
+    assert coded.gpu_bytes == coded.resident_bytes + coded.cache_bytes + 2 * coded.copy_landing_bytes
+
+
+def test_coded_copies_need_copied_blocks_and_from_pretrained_refuses_them(tmp_path):
+    model, _ = bf16_model("qwen3_moe")
+    cost = prepare(model, gpu_memory=2**40, device="cpu", compress=True).cost
+    apart = tuple(i for i in range(len(cost.block_bytes)) if cost.experts_apart(i))
+    with pytest.raises(ArgumentError, match="coded_copies=True"):
+        placement_of(cost, (), 0, apart, uva_experts=apart, coded_copies=True)
+    placement, _ = coded_placement(model)
+    model.save_pretrained(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(ArgumentError, match="copy_landing_bytes=0"):
+            config = ws.OffloadConfig(placement.gpu_bytes, device="cpu", placement=placement)
+            ws.from_pretrained(tmp_path, config)
