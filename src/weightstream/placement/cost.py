@@ -149,8 +149,18 @@ class ModelCost:
         blob (its rows of every routed tensor compressed, plus a header) plus 1%."""
         if not blocks:
             return 0
-        largest = max(self.routed_bytes[i] // self.experts * self.routed_wire_ratio(i) for i in blocks)
-        return -(-(int(largest * 1.01) + 4096) // 256) * 256
+        from ..wire.codec import CHUNK
+
+        def blob(i: int) -> float:  # each tensor's rows padded to whole chunks, as coded_bytes counts them
+            wire = self.tensor_wire[i] if self.tensor_wire else self.tensor_bytes[i]
+            size = 0.0
+            for j in self.routed_tensors[i]:
+                row = self.tensor_bytes[i][j] // self.experts
+                padded = -(-row // (2 * CHUNK)) * 2 * CHUNK
+                size += padded * wire[j] / self.tensor_bytes[i][j] + 8 * (padded // (2 * CHUNK) + 8)
+            return size
+
+        return -(-(int(max(blob(i) for i in blocks) * 1.01) + 4096) // 256) * 256
 
     def cache_hit(self, slots: int) -> float:
         """The share of routed expert reads a GPU expert cache of `slots` slots per layer serves: the
