@@ -28,6 +28,7 @@ from tqdm import tqdm
 
 from ..placement.layout import Slice
 from ..wire import codec
+from .experts import routed_on_host
 
 _ALIGN = 16
 
@@ -195,8 +196,6 @@ class CodedCopy:
     def gather(self, top_k_index: torch.Tensor) -> None:
         """Decode (or copy, where raw) every expert some token of `top_k_index` is routed to into the
         work buffer (indices outside 0..experts-1 are skipped)."""
-        from .expert_cache import routed_on_host
-
         for e in routed_on_host(top_k_index, self.experts):
             rec = self.records[e]
             src = self.host[rec.offset : rec.offset + rec.nbytes]

@@ -57,6 +57,7 @@ from ..placement.entries import Entry, _set_tensor
 from ..placement.experts import is_experts
 from ..placement.layout import pack
 from . import coded_experts, ops
+from .experts import routed_on_host
 
 EAGER_WARN_CALLS = 32  # eager forwards on a GPU, no capture seen, after which the cache warns it costs more
 FILL_CALLS = 1 << 40  # calls of a layer during which the cache keeps the most frequent; by default, always
@@ -218,21 +219,6 @@ class ExpertCopy:
         for start, stop in _runs(routed_on_host(top_k_index, self.experts)):
             for t in self.tensors:
                 t.work[start:stop].copy_(t.host[start:stop], non_blocking=True)
-
-
-def routed_on_host(top_k_index: torch.Tensor, experts: int) -> list[int]:
-    """The experts (sorted, distinct) some token of `top_k_index` is routed to, read on the host: the
-    one synchronization of expert copies per layer. Indices outside 0..experts-1, as expert parallelism
-    marks foreign ones, are skipped. Refused inside a CUDA graph capture, which cannot capture it."""
-    if top_k_index.is_cuda and torch.cuda.is_current_stream_capturing():
-        raise OffloadStateError(
-            "weightstream: expert copies read each call's routing on the host, which a CUDA graph "
-            "cannot capture: offload with expert_copies=False to decode from CUDA graphs (the routed "
-            "experts are then read in place, or through a GPU expert cache)")
-    flat = top_k_index.reshape(-1).to(torch.int64)
-    hit = torch.zeros(experts + 1, dtype=torch.bool, device=flat.device)
-    hit.index_fill_(0, torch.where((flat >= 0) & (flat < experts), flat, experts), True)
-    return hit[:experts].nonzero().flatten().tolist()
 
 
 def _runs(ids: list[int]) -> list[tuple[int, int]]:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..errors import OffloadStateError
 from ..placement.experts import routers
 
 
@@ -106,3 +107,17 @@ class ChoiceCounter(RouterHooks):
             return None
         return [[c / total for c in row] for row, total in zip(rows, totals, strict=True) if total]
 
+
+def routed_on_host(top_k_index: torch.Tensor, experts: int) -> list[int]:
+    """The experts (sorted, distinct) some token of `top_k_index` is routed to, read on the host: the
+    one synchronization of expert copies per layer. Indices outside 0..experts-1, as expert parallelism
+    marks foreign ones, are skipped. Refused inside a CUDA graph capture, which cannot capture it."""
+    if top_k_index.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise OffloadStateError(
+            "weightstream: expert copies read each call's routing on the host, which a CUDA graph "
+            "cannot capture: offload with expert_copies=False to decode from CUDA graphs (the routed "
+            "experts are then read in place, or through a GPU expert cache)")
+    flat = top_k_index.reshape(-1).to(torch.int64)
+    hit = torch.zeros(experts + 1, dtype=torch.bool, device=flat.device)
+    hit.index_fill_(0, torch.where((flat >= 0) & (flat < experts), flat, experts), True)
+    return hit[:experts].nonzero().flatten().tolist()
