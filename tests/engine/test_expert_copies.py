@@ -14,6 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from model_zoo import ZOO, call, same
+from test_coded_copies import bf16_model, coded_offload
 from test_expert_cache import CACHED, inputs_like, restores_true_state
 
 import weightstream as ws
@@ -106,11 +107,19 @@ def test_the_experts_read_only_rows_copied_for_the_call():
     handle.restore()
 
 
-def test_compiled_fullgraph_runs_the_copies_as_an_opaque_op():
-    model, inputs = ZOO["mixtral"]()
-    model = model.eval().requires_grad_(False)
-    ref = copy.deepcopy(model)
-    handle, _ = copies_offload(model)
+@pytest.mark.parametrize("coded", [False, True], ids=["raw", "coded"])
+def test_compiled_fullgraph_runs_the_copies_as_an_opaque_op(coded):
+    """Traced with aot_eager and fullgraph: raw copies, and copies held coded (bf16, the reference decoder
+    inside the op)."""
+    if coded:
+        model, inputs = bf16_model("mixtral")
+        ref = copy.deepcopy(model)
+        handle, _ = coded_offload(model)
+    else:
+        model, inputs = ZOO["mixtral"]()
+        model = model.eval().requires_grad_(False)
+        ref = copy.deepcopy(model)
+        handle, _ = copies_offload(model)
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     for seed in range(2):
         batch = inputs_like(inputs, seed)
