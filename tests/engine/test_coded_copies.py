@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import warnings
 
 import pytest
@@ -72,27 +73,34 @@ def test_coded_copies_are_exact_and_hold_the_experts_compressed(name):
 def test_a_call_decodes_exactly_the_rows_of_the_experts_it_routes_to(routings, layer):
     """Under drawn routings (indices past the experts skipped), each call leaves every routed expert's
     rows in the work buffer equal to the true weights and the rows of experts not routed as they were."""
-    model, _ = _MIXTRAL
-    handle, _ = coded_offload(copy.deepcopy(model))
-    caches = handle.expert_caches
-    truth = [w for k, w in _TRUE.items() if f"layers.{layer}." in k]
+    caches, truth = _offloaded_mixtral()
     cache = caches.caches[layer]
+    true = [w for k, w in truth.items() if f"layers.{layer}." in k]
     for routing in routings:
         for t in cache.tensors:
             t.work.fill_(0xAB)
         caches.gather(layer, torch.tensor(routing))
-        for t, true in zip(cache.tensors, truth, strict=True):
+        for t, weight in zip(cache.tensors, true, strict=True):
             for e in range(cache.experts):
-                rows = t.work[e].view(true.dtype).view(true.shape[1:])
+                rows = t.work[e].view(weight.dtype).view(weight.shape[1:])
                 if e in routing:
-                    assert torch.equal(rows, true[e]), (routing, e)
+                    assert torch.equal(rows, weight[e]), (routing, e)
                 else:
                     assert bool((t.work[e] == 0xAB).all()), (routing, e)
-    handle.restore()
 
 
-_MIXTRAL = bf16_model("mixtral")
-_TRUE = {k: v.clone() for k, v in _MIXTRAL[0].state_dict().items() if "experts" in k}
+@functools.cache
+def _offloaded_mixtral():
+    """The zoo's Mixtral in bf16, offloaded with coded copies once for the drawn cases (gathers write
+    only the work buffers), and its true expert weights."""
+    model, _ = bf16_model("mixtral")
+    truth = {k: v.clone() for k, v in model.state_dict().items() if "experts" in k}
+    handle, _ = coded_offload(model)
+    _KEEP.append((model, handle))
+    return handle.expert_caches, truth
+
+
+_KEEP: list = []
 
 
 def test_experts_whose_blobs_would_not_fit_the_landing_buffer_are_copied_raw_beside_coded_ones():
