@@ -23,11 +23,11 @@
 #                random weights alone reach few experts in deeper layers): streamed, read in place (the
 #                planner may add a GPU expert cache), auto; expert bytes per token and hit rate (about 6)
 #     moe-copies gpt-oss-20b and deepseek-v2-lite at 8 GiB, decode, eager: routed experts read in place
-#                (ws-auto) against copied by the copy engine once the host has read the routing, held
-#                coded where predicted faster (ws-auto-copies) and raw (ws-auto-copies-raw) (about 6)
-#     moe-coded  mixtral-8x7b at 25%, decode, eager: routed experts in place (ws-auto) against copied,
-#                held coded where the planner predicts it faster (ws-auto-copies) and raw
-#                (ws-auto-copies-raw); needs an H200 for the resident reference (about 7)
+#                (ws-auto) against copied by the copy engine once the host has read the routing, raw
+#                (ws-auto-copies) and held coded (ws-auto-copies-coded) (about 6)
+#     moe-coded  mixtral-8x7b at 25%, decode, eager: routed experts in place (ws-auto) against copied
+#                raw (ws-auto-copies) and held coded (ws-auto-copies-coded); needs an H200 for the
+#                resident reference (about 7)
 #     moe-gather  routed experts' rate across the link per expert shape: copy engine, the expert cache's
 #                gather kernel (as shipped and at other block sizes and warps), the one-token matmul read
 #                in place with experts [out, in] and [in, out] (benchmarks/probe_expert_gather.py; about 2)
@@ -163,13 +163,13 @@ lowbit)
 moe-copies)
     for shape in gpt-oss-20b deepseek-v2-lite; do
         bench --shape "$shape" --budgets 8GiB --phases decode-b1 --modes eager \
-            --methods resident,ws-auto,ws-auto-copies,ws-auto-copies-raw \
+            --methods resident,ws-auto,ws-auto-copies,ws-auto-copies-coded \
             --reps 10 --no-timeline --max-seconds 250 --method-seconds 70 --out "$OUT/suite_${shape}_copies.json" 2>&1 \
             | tee "$OUT/suite_${shape}_copies.log" | grep "^\[" | tail -6
     done ;;
 moe-coded)
     bench --shape mixtral-8x7b --budgets 0.25 --phases decode-b1 --modes eager \
-        --methods resident,ws-auto,ws-auto-copies,ws-auto-copies-raw --reps 5 --no-timeline --max-seconds 400 \
+        --methods resident,ws-auto,ws-auto-copies,ws-auto-copies-coded --reps 5 --no-timeline --max-seconds 400 \
         --method-seconds 130 --out "$OUT/suite_mixtral-8x7b_copies.json" 2>&1 \
         | tee "$OUT/suite_mixtral-8x7b_copies.log" | grep "^\[" | tail -8 ;;
 moe-gather)

@@ -1,5 +1,5 @@
 """A mixture of experts offloaded with its routed experts copied to the GPU each token, held compressed
-in host memory where the planner predicts that faster. Mixtral-shaped, random weights built from a
+in host memory (compress=True). Mixtral-shaped, random weights built from a
 config (never downloaded).
 
     python examples/moe_offload.py                          # Mixtral-8x7B's shape, 25% on the GPU
@@ -66,10 +66,10 @@ def main() -> int:
     elif args.check:
         print("--check: the resident model does not fit this device, so there is nothing to compare with")
     total = sum(p.numel() * p.element_size() for p in model.parameters())
-    # compress=True: on the CPU backend too (there "auto" means raw, as no link is saved)
+    # compress=True: the copied experts held compressed ("auto" copies them raw)
     share = args.budget if args.budget is not None else 0.5 if args.tiny else 0.25
     handle = ws.offload(model, gpu_memory=int(share * total), device=args.device, expert_copies=True,
-                        compress=True if args.device == "cpu" else "auto")
+                        compress=True)
     p = handle.placement
     held = (f"held compressed, ratio {handle.stats.expert_wire_ratio:.3f}" if p.copy_landing_bytes
             else "held raw")

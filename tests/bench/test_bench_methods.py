@@ -13,7 +13,7 @@ from weightstream.bench.schema import MODES
 def test_registry_lists_the_methods_and_skips_missing_imports_with_a_reason():
     names = [m.name for m in methods.METHODS]
     assert names == ["resident", *WS, "ws-auto-raw", "ws-auto-compress", "ws-auto-skew",
-                     "ws-auto-copies", "ws-auto-copies-raw", "ws-uva-whole-blocks", "ws-stream-raw",
+                     "ws-auto-copies", "ws-auto-copies-coded", "ws-uva-whole-blocks", "ws-stream-raw",
                      "ws-stream-compress",
                      "accelerate-cpu_offload", "accelerate-device_map", "diffusers-group", "diffusers-leaf",
                      "diffusers-model_cpu_offload",

@@ -144,21 +144,23 @@ def test_a_float32_model_holds_its_experts_raw_and_says_so():
     handle.restore()
 
 
-def test_the_planner_holds_copied_experts_coded_where_predicted_faster_and_never_without_compression():
-    """Mixtral-8x7B's shape at 25% on the reference profile: with expert copies and compression allowed
-    the planner holds the copied experts coded (the blobs, about 0.71 of the bytes, cross the link and
-    the prediction drops); with compress=False, or coded_copies=False (from_pretrained), raw."""
+def test_the_planner_holds_copied_experts_coded_with_compress_true_only():
+    """Mixtral-8x7B's shape at 25% on the reference profile: with expert copies and compress=True the
+    planner holds the copied experts coded (the blobs, about 0.71 of the bytes, cross the link and the
+    prediction drops); with compress="auto" or False, or coded_copies=False (from_pretrained), raw."""
     from weightstream.placement.shapes import meta_model
 
     cost = prepare(meta_model("mixtral-8x7b", torch.bfloat16), gpu_memory=2**40, device="cpu",
                    allow_meta=True, compress=True).cost
     budget = int(21.75 * 2**30)
     profile = ws.REFERENCE_PROFILE
-    coded = plan(cost, budget, profile=profile, expert_copies=True)
+    coded = plan(cost, budget, profile=profile, expert_copies=True, compress=True)
     raw = plan(cost, budget, profile=profile, expert_copies=True, compress=False)
-    kept_raw = plan(cost, budget, profile=profile, expert_copies=True, coded_copies=False)
+    auto = plan(cost, budget, profile=profile, expert_copies=True)
+    kept_raw = plan(cost, budget, profile=profile, expert_copies=True, compress=True, coded_copies=False)
     assert coded.expert_copies and coded.copy_landing_bytes > 0 and coded.gpu_bytes <= budget
     assert raw.expert_copies and raw.copy_landing_bytes == 0
+    assert auto.expert_copies and auto.copy_landing_bytes == 0
     assert kept_raw.copy_landing_bytes == 0
     assert coded.prediction.ms < raw.prediction.ms
     assert coded.prediction.link_bytes < 0.75 * raw.prediction.link_bytes

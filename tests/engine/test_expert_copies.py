@@ -215,7 +215,9 @@ def test_the_command_line_plans_expert_copies_and_refuses_them_with_cuda_graphs(
 
     assert main(["plan", "gpt-oss-20b", "--gpu-memory", "8GiB", "--expert-copies"]) == 0
     out = capsys.readouterr().out
-    assert "expert copies" in out and "no CUDA graphs" in out
+    assert "expert copies" in out and "no CUDA graphs" in out and "held compressed" not in out
+    assert main(["plan", "gpt-oss-20b", "--gpu-memory", "8GiB", "--expert-copies", "--compress", "true"]) == 0
+    assert "held compressed (ratio 0.7" in capsys.readouterr().out
     assert main(["generate", str(tmp_path), "--prompt", "x", "--gpu-memory", "1GiB", "--expert-copies",
                  "--compile", "graphs"]) == 2
     assert "--expert-copies and --compile graphs" in capsys.readouterr().err

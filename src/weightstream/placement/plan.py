@@ -400,9 +400,9 @@ def plan(
         (`_with_copies`; no cache): one host synchronization per such layer, no CUDA graphs. Asked for,
         copies are taken wherever their work buffers fit (as compress=True takes compression), even
         where reading in place is predicted faster: the cost model reads every in-place GEMM at one
-        rate, which some expert shapes fall far below (docs/llm.md). Where `compress` allows and
-        `coded_copies`, the copied experts may be held compressed (one blob per expert, decoded on the
-        GPU): taken where predicted faster, or wherever they fit with compress=True.
+        rate, which some expert shapes fall far below (docs/llm.md). With compress=True and
+        `coded_copies`, the copied experts are held compressed wherever they fit (one blob per expert,
+        decoded on the GPU); compress="auto" copies them raw.
     """
     model = with_routing_skew(model, routing_skew)
     if strategy not in STRATEGIES:
@@ -411,7 +411,9 @@ def plan(
         raise ArgumentError(f"compress={compress!r}: choose True, False or 'auto'")
     # compress=True still falls back to raw groups where no compressed placement fits the budget
     options = (False, True) if model.tensor_wire and compress is not False else (False,)
-    code_copies = bool(model.tensor_wire) and compress is not False and coded_copies
+    # coded copies only where compression is asked for (compress=True): "auto" copies raw until coded
+    # copies have been measured against raw ones on a GPU (CHANGELOG)
+    code_copies = bool(model.tensor_wire) and compress is True and coded_copies
 
     def better(a: Placement, b: Placement | None) -> bool:
         if b is None:

@@ -128,13 +128,13 @@ METHODS = (
            in_default=False),
     Method("ws-auto-copies", ws_prepare("auto", expert_copies=True), ("eager", "compiled"),
            "weightstream, the planner's choice with routed experts copied by the copy engine once the host "
-           "has read the routing (expert_copies=True; no CUDA graphs; held compressed where the planner "
-           "predicts it faster)", gives_reference=True, in_default=False),
-    Method("ws-auto-copies-raw", ws_prepare("auto", expert_copies=True, compress=False),
+           "has read the routing (expert_copies=True; no CUDA graphs)", gives_reference=True,
+           in_default=False),
+    Method("ws-auto-copies-coded", ws_prepare("auto", expert_copies=True, compress=True),
            ("eager", "compiled"),
-           "weightstream, the planner's choice with routed experts copied raw by the copy engine once the "
-           "host has read the routing (expert_copies=True, compress=False; no CUDA graphs)",
-           gives_reference=True, in_default=False),
+           "weightstream, the planner's choice with routed experts held compressed in host memory, copied "
+           "by the copy engine once the host has read the routing and decoded on the GPU "
+           "(expert_copies=True, compress=True; no CUDA graphs)", gives_reference=True, in_default=False),
     Method("ws-uva-whole-blocks", ws_prepare("uva", experts_apart=False), MODES,
            "weightstream, blocks read in place from pinned memory whole (a mixture of experts' dense "
            "tensors too, every token)", gives_reference=True, in_default=False),
