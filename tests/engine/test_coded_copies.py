@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 import warnings
 
 import pytest
@@ -67,13 +66,24 @@ def test_coded_copies_are_exact_and_hold_the_experts_compressed(name):
     restores_true_state(handle, model, ref, inputs)
 
 
+@pytest.fixture(scope="module")
+def offloaded_mixtral():
+    """The zoo's Mixtral in bf16, offloaded with coded copies once for every drawn case (gathers write
+    only the work buffers), with its true expert weights; restored at the end (no engine outlives it)."""
+    model, _ = bf16_model("mixtral")
+    truth = {k: v.clone() for k, v in model.state_dict().items() if "experts" in k}
+    handle, _ = coded_offload(model)
+    yield handle.expert_caches, truth
+    handle.restore()
+
+
 @settings(max_examples=25, deadline=None)
-@given(st.lists(st.lists(st.integers(-1, 4), min_size=1, max_size=6), min_size=1, max_size=4),
-       st.integers(0, 3))
-def test_a_call_decodes_exactly_the_rows_of_the_experts_it_routes_to(routings, layer):
+@given(routings=st.lists(st.lists(st.integers(-1, 4), min_size=1, max_size=6), min_size=1, max_size=4),
+       layer=st.integers(0, 3))
+def test_a_call_decodes_exactly_the_rows_of_the_experts_it_routes_to(offloaded_mixtral, routings, layer):
     """Under drawn routings (indices past the experts skipped), each call leaves every routed expert's
     rows in the work buffer equal to the true weights and the rows of experts not routed as they were."""
-    caches, truth = _offloaded_mixtral()
+    caches, truth = offloaded_mixtral
     cache = caches.caches[layer]
     true = [w for k, w in truth.items() if f"layers.{layer}." in k]
     for routing in routings:
@@ -87,20 +97,6 @@ def test_a_call_decodes_exactly_the_rows_of_the_experts_it_routes_to(routings, l
                     assert torch.equal(rows, weight[e]), (routing, e)
                 else:
                     assert bool((t.work[e] == 0xAB).all()), (routing, e)
-
-
-@functools.cache
-def _offloaded_mixtral():
-    """The zoo's Mixtral in bf16, offloaded with coded copies once for the drawn cases (gathers write
-    only the work buffers), and its true expert weights."""
-    model, _ = bf16_model("mixtral")
-    truth = {k: v.clone() for k, v in model.state_dict().items() if "experts" in k}
-    handle, _ = coded_offload(model)
-    _KEEP.append((model, handle))
-    return handle.expert_caches, truth
-
-
-_KEEP: list = []
 
 
 def test_experts_whose_blobs_would_not_fit_the_landing_buffer_are_copied_raw_beside_coded_ones():
