@@ -9,6 +9,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -16,7 +17,8 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_the_moe_example_holds_the_experts_compressed_and_matches_the_resident_model(capsys, monkeypatch):
     argv = ["moe_offload.py", "--tiny", "--device", "cpu", "--check", "--tokens", "4"]
     monkeypatch.setattr(sys, "argv", argv)
-    with warnings.catch_warnings(record=True) as caught, pytest.raises(SystemExit) as done:
+    with torch.random.fork_rng(), warnings.catch_warnings(record=True) as caught, \
+            pytest.raises(SystemExit) as done:  # the example seeds torch: the RNG is given back after it
         warnings.simplefilter("always")
         runpy.run_path(str(ROOT / "examples" / "moe_offload.py"), run_name="__main__")
     out = capsys.readouterr().out
