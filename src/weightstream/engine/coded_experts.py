@@ -26,7 +26,6 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from ..placement.layout import Slice
 from ..wire import codec
 from .experts import routed_on_host
 
@@ -187,10 +186,10 @@ class CodedCopy:
     pool_bytes = 0
 
     def __init__(self, module, tensors: list, experts: int, host: torch.Tensor, flat: torch.Tensor,
-                 records: list[Record], slices: list[Slice], landing: Landing) -> None:
+                 records: list[Record], landing: Landing) -> None:
         self.module, self.tensors, self.experts = module, tensors, experts
         self.row_bytes = sum(t.host.shape[1] for t in tensors)
-        self.host, self.flat, self.records, self.slices, self.landing = host, flat, records, slices, landing
+        self.host, self.flat, self.records, self.landing = host, flat, records, landing
         self.wire_bytes = sum(r.nbytes for r in records)
 
     def gather(self, top_k_index: torch.Tensor) -> None:

@@ -256,7 +256,7 @@ class ExpertCaches:
         self.blocks: tuple[int, ...] = ()  # the model's blocks they cache (set by `install`)
         self.caches: list[ExpertCache] = []
         self.work: dict[tuple, list[torch.Tensor]] = {}  # (shapes, dtypes of a layer) -> work buffers
-        self._flat: dict[tuple, tuple] = {}  # the same -> (one buffer holding them, their slices)
+        self._flat: dict[tuple, torch.Tensor] = {}  # the same -> the one buffer holding them
         # (entry, its tensor viewing the work buffer, a view of its host bytes)
         self._host_views: list[tuple[Entry, torch.Tensor, torch.Tensor]] = []
         for layer, (module, tensors) in enumerate(layers):
@@ -266,7 +266,7 @@ class ExpertCaches:
                 slices, total = pack([e.nbytes for e, _, _ in tensors])
                 flat = torch.zeros(total, dtype=torch.uint8, device=device)
                 self.work[signature] = [flat[sl.offset : sl.offset + sl.nbytes] for sl in slices]
-                self._flat[signature] = (flat, slices)
+                self._flat[signature] = flat
             cached = []
             for (entry, host, host_rows), work in zip(tensors, self.work[signature], strict=True):
                 row = entry.nbytes // experts
@@ -280,9 +280,8 @@ class ExpertCaches:
                     self._host_views.append((entry, entry.tensor, entry.view_of(host)))
             if layer in coded:
                 host_region, records = coded[layer]
-                flat, slices = self._flat[signature]
-                self.caches.append(coded_experts.CodedCopy(module, cached, experts, host_region, flat,
-                                                           records, slices, self.landing))
+                self.caches.append(coded_experts.CodedCopy(module, cached, experts, host_region,
+                                                           self._flat[signature], records, self.landing))
             elif self.copies:
                 self.caches.append(ExpertCopy(module, cached, experts))
             else:
@@ -305,7 +304,7 @@ class ExpertCaches:
     @property
     def work_bytes(self) -> int:
         """Device bytes of the shared work buffers."""
-        return sum(flat.numel() for flat, _ in self._flat.values())
+        return sum(flat.numel() for flat in self._flat.values())
 
     @property
     def landing_bytes(self) -> int:
