@@ -415,7 +415,7 @@ def offload_module(model: nn.Module, config: OffloadConfig) -> OffloadHandle:
     coded_uva = expert_cache.coded_groups(prep)
     if coded_uva:  # routed experts held coded, one record per expert
         landing = prep.placement.copy_landing_bytes
-        groups = [prep.uva_groups[j] for j in coded_uva]
+        groups = [coded_experts.sources(prep.uva_groups[j]) for j in coded_uva]
         group_bytes = [prep.uva_group_bytes[j] for j in coded_uva]
         layouts = coded_experts.size_groups(groups, group_bytes, landing, prep.device)
         prep.coded_experts = dict(zip(coded_uva, layouts, strict=True))

@@ -3,13 +3,13 @@ compressed in host memory, one record per expert, decoded into the work buffers 
 zoo's mixtures of experts in bf16 `torch.equal` to the resident model (eager; traced in
 test_expert_copies.py), the rows a
 call decodes under drawn routings, experts copied raw beside coded ones, the true values state_dict()
-and restore() give, what the planner and cost model make of it, and from_pretrained's refusal."""
+and restore() give, what the planner and cost model make of it, and from_pretrained reading them
+coded from a checkpoint."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import warnings
 
 import pytest
 import torch
@@ -166,16 +166,42 @@ def test_the_planner_holds_copied_experts_coded_with_compress_true_only():
     assert coded.gpu_bytes == coded.resident_bytes + coded.cache_bytes + 2 * coded.copy_landing_bytes
 
 
-def test_coded_copies_need_copied_blocks_and_from_pretrained_refuses_them(tmp_path):
+def test_coded_copies_need_copied_blocks():
     model, _ = bf16_model("qwen3_moe")
     cost = prepare(model, gpu_memory=2**40, device="cpu", compress=True).cost
     apart = tuple(i for i in range(len(cost.block_bytes)) if cost.experts_apart(i))
     with pytest.raises(ArgumentError, match="coded_copies=True"):
         placement_of(cost, (), 0, apart, uva_experts=apart, coded_copies=True)
-    placement, _ = coded_placement(model)
-    model.save_pretrained(tmp_path)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with pytest.raises(ArgumentError, match="copy_landing_bytes=0"):
-            config = ws.OffloadConfig(placement.gpu_bytes, device="cpu", placement=placement)
-            ws.from_pretrained(tmp_path, config)
+
+
+@pytest.mark.parametrize("coded", [True, False])
+@pytest.mark.parametrize("name", ["mixtral", "gpt_oss"])
+def test_from_pretrained_reads_copied_experts_from_the_checkpoint(tmp_path, name, coded):
+    """A checkpoint as transformers saves it (Mixtral's experts one by one, converted on load) loads
+    with its copied experts coded from the files, one layer at a time, the arena holding the records
+    (or raw, copied as stored); weights, logits and greedy tokens equal transformers' own resident
+    load."""
+    from transformers import AutoModelForCausalLM
+
+    model, inputs = bf16_model(name)
+    model.save_pretrained(tmp_path, max_shard_size="40KB")
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
+    placement, _ = coded_placement(reference) if coded else coded_placement(reference, copy_landing_bytes=0)
+    config = ws.OffloadConfig(placement.gpu_bytes, device="cpu", placement=placement)
+    loaded = ws.from_pretrained(tmp_path, config, progress=False)
+    handle = ws.handle_of(loaded)
+    copies = handle.expert_caches.caches
+    assert len(copies) == len(placement.expert_copies)
+    if coded:
+        assert all(isinstance(c, CodedCopy) and all(r.chunks for r in c.records) for c in copies)
+        assert handle.engine.arena.nbytes == sum(c.wire_bytes for c in copies)
+    else:
+        assert not any(isinstance(c, CodedCopy) for c in copies)
+    got, want = loaded.state_dict(), reference.state_dict()  # the true weights, decoded from the records
+    assert got.keys() == want.keys() and all(torch.equal(v, want[k]) for k, v in got.items())
+    for seed in range(3):
+        x = inputs_like(inputs, seed)
+        assert same(call(loaded, x), call(reference, x))
+    ids = inputs_like(inputs, 9)["input_ids"][:1]
+    kwargs = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert torch.equal(loaded.generate(ids, **kwargs), reference.generate(ids, **kwargs))

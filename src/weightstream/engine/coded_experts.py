@@ -21,6 +21,7 @@ for bit.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -42,22 +43,28 @@ class Record:
     chunks: int
 
 
-def _rows(group: list[tuple], expert: int) -> list[tuple[torch.Tensor, int]]:
-    """(expert `expert`'s rows of each routed tensor of `group`, as flat bytes or values, their byte
-    offset in the group's layout)."""
-    out = []
-    for entry, sl in group:
-        row = entry.nbytes // entry.shape[0]
-        out.append((entry.tensor.detach()[expert], sl.offset + expert * row))
-    return out
+def sources(group: list[tuple]) -> list[tuple[torch.Tensor, int]]:
+    """A zero-copy group's routed tensors as `size_groups` and `fill_groups` read them: (the tensor,
+    experts first, its byte offset in the group's layout)."""
+    return [(entry.tensor.detach(), sl.offset) for entry, sl in group]
 
 
-def _raw_bytes(group: list[tuple]) -> int:
+def _row_bytes(t: torch.Tensor) -> int:
+    return t[0].numel() * t.element_size()
+
+
+def _rows(group: list[tuple[torch.Tensor, int]], expert: int) -> list[tuple[torch.Tensor, int]]:
+    """(expert `expert`'s rows of each routed tensor of `group` (`sources`), their byte offset in the
+    group's layout)."""
+    return [(t[expert], offset + expert * _row_bytes(t)) for t, offset in group]
+
+
+def _raw_bytes(group: list[tuple[torch.Tensor, int]]) -> int:
     """One expert's raw bytes in every routed tensor of `group`."""
-    return sum(entry.nbytes // entry.shape[0] for entry, _ in group)
+    return sum(_row_bytes(t) for t, _ in group)
 
 
-def _encode(group: list[tuple], expert: int, group_bytes: int, landing_bytes: int,
+def _encode(group: list[tuple[torch.Tensor, int]], expert: int, group_bytes: int, landing_bytes: int,
             device: torch.device | None) -> codec.EncodedGroup | None:
     """Expert `expert`'s blob, or None where it is copied raw: a row at an offset the decoder cannot
     write (not a multiple of 16 bytes), coding that would not shrink it, or a blob over `landing_bytes`."""
@@ -70,15 +77,17 @@ def _encode(group: list[tuple], expert: int, group_bytes: int, landing_bytes: in
     return enc
 
 
-def size_groups(groups: list[list[tuple]], group_bytes: list[int], landing_bytes: int, device: torch.device,
-                progress: bool | None = None) -> list[list[Record]]:
-    """Code every expert of each group (on `device` when it is a GPU) to learn its record's size; the
-    blobs are not kept, so the arena can be allocated exactly before `fill_groups` writes them. Shows a
-    progress bar over groups (tqdm; `progress` None: on a terminal). Warns where experts are copied raw."""
+def size_groups(groups: Iterable[list[tuple[torch.Tensor, int]]], group_bytes: list[int], landing_bytes: int,
+                device: torch.device, progress: bool | None = None) -> list[list[Record]]:
+    """Code every expert of each group (`sources`, one group at a time: an iterable may read each from
+    a checkpoint) on `device` when it is a GPU, to learn its record's size; the blobs are not kept, so
+    the arena can be allocated exactly before `fill_groups` writes them. Shows a progress bar over groups
+    (tqdm; `progress` None: on a terminal). Warns where experts are copied raw."""
     where = device if device.type == "cuda" else None
     layouts, raw_count, total = [], 0, 0
-    bar = tqdm(list(zip(groups, group_bytes, strict=True)), desc="weightstream: compressing routed experts",
-               unit="layer", disable=False if progress else None if progress is None else True)
+    bar = tqdm(zip(groups, group_bytes, strict=True), total=len(group_bytes), unit="layer",
+               desc="weightstream: compressing routed experts",
+               disable=False if progress else None if progress is None else True)
     for group, nbytes in bar:
         experts = group[0][0].shape[0]
         records, cursor = [], 0
@@ -98,10 +107,12 @@ def size_groups(groups: list[list[tuple]], group_bytes: list[int], landing_bytes
     return layouts
 
 
-def fill_groups(regions: list[torch.Tensor], groups: list[list[tuple]], group_bytes: list[int],
-                layouts: list[list[Record]], landing_bytes: int, device: torch.device) -> None:
+def fill_groups(regions: list[torch.Tensor], groups: Iterable[list[tuple[torch.Tensor, int]]],
+                group_bytes: list[int], layouts: list[list[Record]], landing_bytes: int,
+                device: torch.device) -> None:
     """Write each expert's record into its group's arena region (`regions`, host bytes), coding it
-    again (the codec is deterministic: a different size is a bug, raised)."""
+    again (the codec is deterministic: a different size is a bug, raised). `groups` as `size_groups`
+    read them."""
     where = device if device.type == "cuda" else None
     for region, group, nbytes, records in zip(regions, groups, group_bytes, layouts, strict=True):
         for e, rec in enumerate(records):

@@ -22,11 +22,12 @@ from tqdm.auto import tqdm
 
 from ..config import OffloadConfig, config_of
 from ..dtypes import parse_dtype
+from ..engine import coded_experts, expert_cache
 from ..engine.host import HostArena
 from ..errors import ArgumentError, BudgetError, CheckpointError
 from ..handle import OffloadHandle, finish
 from ..pipeline import DEFAULT_STEPS, PipelineHandle, _keep_in_fp32, is_pipeline_folder, load_pipeline
-from ..placement.entries import Entry
+from ..placement.entries import Entry, _set_tensor
 from ..placement.layout import Slice
 from ..placement.plan import choose_disk_groups
 from ..placement.prepare import final_places, prepare
@@ -399,12 +400,7 @@ def load_into_place(model: nn.Module, folder: Path, config: OffloadConfig, host_
     parameters on the meta device), offloaded as `config` says; streamed groups beyond `host_bytes` of
     host memory (None: no limit) stay in the files (the disk tier). Returns the model's handle."""
     stored = read_index(folder)
-    # expert copies are planned raw: the checkpoint is read straight into the arena, not coded per expert
-    prep = prepare(model, config, allow_meta=True, host_bytes=host_bytes, coded_copies=False)
-    if prep.placement.copy_landing_bytes:
-        raise ArgumentError("from_pretrained reads a checkpoint straight into host memory, which holds "
-                            "expert copies raw: give a placement with copy_landing_bytes=0, or build the "
-                            "model and weightstream.offload() it to hold its experts compressed")
+    prep = prepare(model, config, allow_meta=True, host_bytes=host_bytes)
     pairs = _match(model, prep.entries, stored, folder)
     host_limit = None if host_bytes is None else host_bytes - sum(prep.uva_group_bytes)
     if host_limit is not None and host_limit < 0:  # the planner keeps to cpu_memory: a safety net
@@ -423,6 +419,22 @@ def load_into_place(model: nn.Module, folder: Path, config: OffloadConfig, host_
         sizes = [enc.wire_bytes if enc else b for enc, b in zip(prep.wire, prep.group_bytes, strict=True)]
         sizes += prep.uva_group_bytes
         coded = frozenset(g for g, enc in enumerate(prep.wire) if enc is not None)
+    coded_uva = expert_cache.coded_groups(prep)
+    if coded_uva:  # routed experts held coded (expert copies with compress=True), one record per expert
+        source_of = {id(entry): source for entry, source in pairs}
+
+        def expert_groups():  # one zero-copy group's experts in host memory at a time, read twice
+            return (coded_load.read_group(prep.uva_groups[j], prep.uva_group_bytes[j], source_of)
+                    for j in coded_uva)
+
+        landing = prep.placement.copy_landing_bytes
+        uva_bytes = [prep.uva_group_bytes[j] for j in coded_uva]
+        layouts = coded_experts.size_groups(expert_groups(), uva_bytes, landing, prep.device, progress)
+        prep.coded_experts = dict(zip(coded_uva, layouts, strict=True))
+        sizes = list(sizes)
+        for j, records in prep.coded_experts.items():
+            sizes[len(prep.groups) + j] = sum(r.nbytes for r in records)
+        coded = coded | {len(prep.groups) + j for j in coded_uva}
     try:
         arena = HostArena([0 if g in on_disk else b for g, b in enumerate(sizes)], pin=pin,
                           device=prep.device)
@@ -431,8 +443,14 @@ def load_into_place(model: nn.Module, folder: Path, config: OffloadConfig, host_
             disk.close()
         raise
     try:
-        if coded:
+        if prep.wire:
             prep.wire = coded_load.fill_host(arena, prep, pairs, prep.wire, disk)
+        if coded_uva:
+            regions = [arena.region(len(prep.groups) + j) for j in coded_uva]
+            coded_experts.fill_groups(regions, expert_groups(), uva_bytes, layouts, landing, prep.device)
+            for j in coded_uva:  # off the meta device before the caches view the work buffers: a meta
+                for entry, _ in prep.uva_groups[j]:  # parameter is replaced by one sharing their version
+                    _set_tensor(entry, torch.empty(0, dtype=entry.dtype))
         places = final_places(prep, arena, keep_on_device=True, disk_groups=on_disk | coded)
         _fill([p for p in pairs if id(p[0]) in places], places, progress)
         paired = {id(entry) for entry, _ in pairs}

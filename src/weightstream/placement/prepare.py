@@ -220,7 +220,6 @@ def prepare(
     predict_wire: bool | None = None,
     keep_resident: Collection[str] = (),
     experts_apart: bool = True,
-    coded_copies: bool = True,
 ) -> Prepared:
     """Check the model and plan what stays on `device`, what streams and what is read in place
     (zero copy); moves nothing yet.
@@ -232,8 +231,6 @@ def prepare(
     72 MiB tensor) unless `compress` is False; None: only when the planner runs (no `placement`
     given), since an explicit placement does not use them. keep_resident: see `offload`. experts_apart:
     see `plan.plan` (False: zero-copy blocks of a mixture of experts are read in place whole).
-    coded_copies: let expert copies hold their experts compressed (`plan.plan`); `from_pretrained`, which
-    reads checkpoints straight into the arena, plans them raw.
     `gpu_memory` may be an `OffloadConfig` (then the other arguments it holds stay at their defaults).
     """
     config = config_of(gpu_memory, device=device, blocks=blocks, strategy=strategy, tokens=tokens,
@@ -269,7 +266,7 @@ def prepare(
         profile = load_profile(device) if profile is None else profile
         placement = plan(cost, budget, tokens, profile, strategy, host_bytes=host_bytes, compress=compress,
                          experts_apart=experts_apart, expert_cache=config.expert_cache,
-                         expert_copies=config.expert_copies, coded_copies=coded_copies)
+                         expert_copies=config.expert_copies)
         if config.expert_copies and cost.experts and not placement.expert_copies and placement.kind != \
                 "resident":
             warnings.warn(

@@ -7,7 +7,8 @@ only host memory beyond the final places), coded (on the GPU when the target dev
 appended to the compressed cache file once (`diskcache.py`); a host group's blob is measured first, so
 the arena can be allocated exactly, and coded again into its arena region (`fill_host`; the codec is
 deterministic). Groups that do not shrink stay raw: in the arena, or read from the safetensors as
-before.
+before. Routed experts held coded for expert copies are read the same way, one zero-copy group at a
+time (`read_group`), and coded per expert by `engine/coded_experts.py`.
 """
 
 from __future__ import annotations
@@ -26,10 +27,10 @@ from . import codec
 from .groups import place, sized
 
 
-def _coded(prep: Prepared, source_of: dict[int, Source], g: int) -> codec.EncodedGroup | None:
-    """Group `g` read from its checkpoint tensors (converted to the model's dtype and layout) and
-    encoded; None when it does not shrink or would not fit a landing buffer."""
-    group, nbytes = prep.groups[g], prep.group_bytes[g]
+def read_group(group: list[tuple], nbytes: int,
+               source_of: dict[int, Source]) -> list[tuple[torch.Tensor, int]]:
+    """A group's tensors read from their checkpoint tensors (converted to the model's dtype and layout)
+    into a new pageable buffer of `nbytes` in the group's layout: (each tensor's view, its offset)."""
     buf = torch.zeros(nbytes, dtype=torch.uint8)
     tensors = []
     for entry, sl in group:
@@ -40,6 +41,14 @@ def _coded(prep: Prepared, source_of: dict[int, Source], g: int) -> codec.Encode
         else:
             source.fill(view)
         tensors.append((view, sl.offset))
+    return tensors
+
+
+def _coded(prep: Prepared, source_of: dict[int, Source], g: int) -> codec.EncodedGroup | None:
+    """Group `g` read from its checkpoint tensors and encoded; None when it does not shrink or would
+    not fit a landing buffer."""
+    nbytes = prep.group_bytes[g]
+    tensors = read_group(prep.groups[g], nbytes, source_of)
     where = prep.device if prep.device.type == "cuda" else None
     enc = codec.encode_group(tensors, nbytes, where)
     return enc if enc is not None and enc.wire_bytes <= prep.placement.landing_bytes else None
