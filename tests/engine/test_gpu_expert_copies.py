@@ -69,3 +69,28 @@ def test_a_cuda_graph_capture_of_copied_experts_is_refused_saying_what_to_change
             model(ids[:, :1], use_cache=False)
     torch.cuda.synchronize()
     handle.restore()
+
+
+@pytest.mark.parametrize("coded", [False, True], ids=["raw", "coded"])
+@pytest.mark.parametrize("name", ["mixtral", "gpt_oss"])
+def test_copied_experts_loaded_by_from_pretrained_are_exact(tmp_path, name, coded):
+    """A checkpoint as transformers saves it, loaded straight into place with its routed experts copied
+    (coded on the GPU from the files, one layer at a time, where `coded`): logits equal transformers'
+    own resident load on the GPU."""
+    from test_coded_copies import bf16_model, coded_placement
+    from transformers import AutoModelForCausalLM
+
+    model, _ = bf16_model(name)
+    model.save_pretrained(tmp_path, max_shard_size="40KB")
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).cuda().eval()
+    placement, _ = coded_placement(reference) if coded else coded_placement(reference, copy_landing_bytes=0)
+    loaded = ws.from_pretrained(tmp_path, ws.OffloadConfig(placement.gpu_bytes, placement=placement),
+                                progress=False)
+    handle = ws.handle_of(loaded)
+    assert len(handle.expert_caches.caches) == len(placement.expert_copies)
+    assert (handle.stats.expert_wire_ratio is not None) == coded
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(0)).cuda()
+    with torch.no_grad():
+        for x in (ids[:, :1], ids):
+            assert torch.equal(loaded(x, use_cache=False).logits, reference(x, use_cache=False).logits)
+    handle.restore()
