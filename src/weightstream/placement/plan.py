@@ -398,8 +398,9 @@ def plan(
         popular experts' share of the reads; None: uniform routing.
     expert_copies: blocks read for their routed experts copy them by the copy engine each call instead
         (`_with_copies`; no cache): one host synchronization per such layer, no CUDA graphs. Asked for,
-        copies are taken wherever their work buffers fit (as compress=True takes compression), even
-        where reading in place is predicted faster: the cost model reads every in-place GEMM at one
+        copies are taken wherever their work buffers fit (as compress=True takes compression; a placement
+        keeping every block resident is compared by speed alone), even where reading in place is
+        predicted faster: the cost model reads every in-place GEMM at one
         rate, which some expert shapes fall far below (docs/llm.md). With compress=True and
         `coded_copies`, the copied experts are held compressed wherever they fit (one blob per expert,
         decoded on the GPU); compress="auto" copies them raw.
@@ -418,9 +419,12 @@ def plan(
     def better(a: Placement, b: Placement | None) -> bool:
         if b is None:
             return True
-        if expert_copies and bool(a.expert_copies) != bool(b.expert_copies):  # asked for: where one fits
+        # asked for, copies and compression are taken where they fit, among placements that move bytes
+        # over the link: one that keeps every block resident moves none, and is compared by speed
+        both_move = a.kind != "resident" and b.kind != "resident"
+        if expert_copies and both_move and bool(a.expert_copies) != bool(b.expert_copies):
             return bool(a.expert_copies)
-        if compress is True and _coded(a) != _coded(b):
+        if compress is True and both_move and _coded(a) != _coded(b):
             return _coded(a)
         # a forward in a loop of them (to a nanosecond: float sums in another order differ by less);
         # ties (streamed groups alone in their slots, which never leave them) go to the first forward

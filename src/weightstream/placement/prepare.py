@@ -276,6 +276,17 @@ def prepare(
                 "expert: none is read apart, or the copies' work buffers do not fit the budget beside it. "
                 "Give more gpu_memory, or force copies with placement=plan.placement_of(..., "
                 "uva_experts=..., expert_copies=...)", stacklevel=4)
+        if compress is True and placement.kind != "resident" and not (placement.compressed
+                                                                       or placement.copy_landing_bytes):
+            shrinks = any(sum(w) < sum(b) for w, b in zip(cost.tensor_wire, cost.tensor_bytes, strict=True))
+            why = ("no placement that moves them compressed fits the budget beside its landing buffers (or "
+                   "it reads them in place, which is never compressed). Give more gpu_memory, or "
+                   "compress='auto' (compressed only where predicted faster)" if shrinks
+                   else "its weights would not shrink (the codec's predicted sizes): compress=False")
+            warnings.warn(
+                f"weightstream: compress=True, but the planner's placement ({placement.kind}: "
+                f"{len(placement.streamed)} blocks streamed, {len(placement.uva)} read in place) moves raw "
+                f"bytes over the link: {why}", stacklevel=4)
     elif placement.gpu_bytes > budget or max(placement.streamed + placement.uva, default=-1) >= len(found):
         raise ArgumentError(
             f"the given placement needs {format_size(placement.gpu_bytes)} of GPU memory for blocks up to "
