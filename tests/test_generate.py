@@ -91,7 +91,7 @@ def test_cpu_memory_leaves_groups_of_a_checkpoint_on_disk_with_the_same_text(che
     limited = capsys.readouterr().out
     text = free[:free.rindex("\n", 0, len(free) - 1)]  # everything before the summary line
     assert limited.startswith(text)
-    assert re.search(r", on disk [\d.]+ KiB$", limited.strip()) and "on disk" not in free
+    assert re.search(r", on disk [\d.]+ KiB; placement stream: ", limited) and "on disk" not in free
 
 
 # --- an image from a diffusers pipeline folder: weightstream generate FOLDER -------------------------------

@@ -39,6 +39,10 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     gen.add_argument("--dtype", default=None,
                      help="e.g. bfloat16 (default: the checkpoint's; for a pipeline each component's)")
+    gen.add_argument("--compress", default="auto", choices=["auto", "true", "false"],
+                     help="stream groups losslessly compressed, as from_pretrained(compress=...): auto (the "
+                          "default: where predicted faster; raw without a GPU), true or false; with "
+                          "--expert-copies, true also holds the copied experts compressed")
     text = gen.add_argument_group("text (a causal LM checkpoint)")
     text.add_argument("--max-new-tokens", type=int, default=None, help="tokens to generate (default 64)")
     text.add_argument("--compile", nargs="?", const="fullgraph", default=None,
@@ -145,9 +149,9 @@ def _run(args: argparse.Namespace) -> int:
 
         pipeline = os.path.isfile(os.path.join(args.model, "model_index.json"))  # a diffusers pipeline folder
         _check_plan_options(args, pipeline)
-        compress = {"auto": "auto", "true": True, "false": False}[args.compress]
-        config = OffloadConfig(args.gpu_memory, strategy=args.strategy, compress=compress,
-                               routing_skew=args.routing_skew, expert_copies=args.expert_copies)
+        config = OffloadConfig(args.gpu_memory, strategy=args.strategy,
+                               compress=COMPRESS_OPTION[args.compress], routing_skew=args.routing_skew,
+                               expert_copies=args.expert_copies)
         report = (plan_pipeline(args.model, config, args.steps or DEFAULT_STEPS, dtype=args.dtype,
                                 cpu_memory=args.cpu_memory)
                   if pipeline
@@ -163,7 +167,7 @@ def _run(args: argparse.Namespace) -> int:
         pipeline = is_pipeline_folder(args.path)
         _check_generate_options(args, pipeline)
         config = OffloadConfig(args.gpu_memory, device=args.device, routing_skew=args.routing_skew,
-                               expert_copies=args.expert_copies)
+                               expert_copies=args.expert_copies, compress=COMPRESS_OPTION[args.compress])
         if pipeline:
             summary = generate_image(
                 args.path, args.prompt, config, cpu_memory=args.cpu_memory, steps=args.steps,
@@ -193,6 +197,7 @@ def _tree_option(args: argparse.Namespace) -> str:
 
 
 COMPILE_OPTION = {"fullgraph": True, "graphs": "reduce-overhead"}  # --compile's value -> generate_text's
+COMPRESS_OPTION = {"auto": "auto", "true": True, "false": False}  # --compress's value -> OffloadConfig's
 
 
 def _refuse_unused(given: dict[str, object], why: str) -> None:

@@ -42,6 +42,7 @@ class GenerationSummary:
     pinned_bytes: int
     speculation: GenerationStats | None = None
     disk_bytes: int = 0  # streamed groups left in the checkpoint files (a cpu_memory limit)
+    placement: str = ""  # what the planner did with the blocks off the GPU (`placement_summary`)
 
     @property
     def tokens_per_second(self) -> float:
@@ -54,12 +55,39 @@ class GenerationSummary:
                 f"pinned {format_size(self.pinned_bytes)}")
         if self.disk_bytes:
             text += f", on disk {format_size(self.disk_bytes)}"
+        if self.placement:
+            text += f"; {self.placement}"
         spec = self.speculation
         if spec is not None:
             text += (f"; speculative ({spec.draft}, tree {spec.width}x{spec.depth}): {spec.passes} verify "
                      f"passes, {spec.accepted_per_pass:.2f} drafted tokens accepted per pass, draft "
                      f"{spec.draft_ms:.0f} ms, verify {spec.verify_ms:.0f} ms")
         return text
+
+
+def placement_summary(handle) -> str:
+    """One line on what the planner did with an offloaded model's blocks: streamed (compressed or raw),
+    read in place, and a mixture of experts' routed experts copied (held compressed: their wire ratio)
+    or cached on the GPU."""
+    p = handle.placement
+
+    def blocks(n: int) -> str:
+        return f"{n} block{'' if n == 1 else 's'}"
+
+    if p.kind == "resident":
+        return "placement resident: every block on the GPU"
+    text = (f"placement {p.kind}: {blocks(len(p.streamed))} streamed{' compressed' if p.compressed else ''}, "
+            f"{len(p.uva)} read in place")
+    caches = handle.expert_caches
+    if caches is not None and caches.copies:
+        ratio = handle.stats.expert_wire_ratio
+        text += (f", routed experts of {blocks(len(caches.blocks))} copied each step"
+                 + (f", held compressed (ratio {ratio:.2f})" if ratio is not None else ""))
+    elif caches is not None:
+        text += f", a GPU expert cache of {p.expert_slots} slots in {blocks(len(caches.blocks))}"
+    elif p.uva_experts:
+        text += f" ({len(p.uva_experts)} of them only their routed experts)"
+    return text
 
 
 def _load_tokenizer(path: str | os.PathLike):
@@ -195,6 +223,7 @@ def generate_text(
         gpu_allocated_bytes=_allocated(handle.device),
         pinned_bytes=handle.stats.pinned_bytes,
         disk_bytes=handle.stats.disk_bytes,
+        placement=placement_summary(handle),
     )
 
 
@@ -250,6 +279,7 @@ def _speculate(model, tokenizer, ids: torch.Tensor, speculate: str, width: int, 
         pinned_bytes=handle.stats.pinned_bytes,
         speculation=out.stats,
         disk_bytes=handle.stats.disk_bytes,
+        placement=placement_summary(handle),
     )
 
 

@@ -165,22 +165,30 @@ def test_any_expert_count_and_shard_split_loads_exact(tmp_path_factory, experts,
         assert torch.equal(model(ids_for(experts)).logits, reference(ids_for(experts)).logits)
 
 
-def test_weightstream_generate_on_a_moe_checkpoint_gives_transformers_tokens(checkpoint, capsys):
+@pytest.mark.parametrize("options", [[], ["--expert-copies", "--compress", "true"]],
+                         ids=["in-place", "coded-copies"])
+def test_weightstream_generate_on_a_moe_checkpoint_gives_transformers_tokens(checkpoint, capsys, options):
+    """`weightstream generate`, at its defaults and with the routed experts copied and held compressed
+    (coded from the files: the summary says so), gives transformers' tokens."""
     from weightstream.cli import main
 
     folder, tokenizer = checkpoint
     for old in list(folder.glob("model*.safetensors*")) + [folder / "config.json"]:
         old.unlink()
-    saved("qwen3_moe", folder)
+    saved("qwen3_moe", folder, dtype=torch.bfloat16)
     prompt = "w5 w9 w33 w17"
     ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
-    reference = AutoModelForCausalLM.from_pretrained(folder).eval()
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
     out = reference.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0,
                              attention_mask=torch.ones_like(ids))
     want = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
-    code = main(["generate", str(folder), "--prompt", prompt, "--gpu-memory", "150KB",
-                 "--max-new-tokens", "8", "--device", "cpu"])
-    assert code == 0 and want and want in capsys.readouterr().out
+    budget = f"{weight_bytes(reference) // 2}B"
+    code = main(["generate", str(folder), "--prompt", prompt, "--gpu-memory", budget,
+                 "--max-new-tokens", "8", "--device", "cpu", *options])
+    printed = capsys.readouterr().out
+    assert code == 0 and want and want in printed
+    coded = "routed experts of 1 block copied each step, held compressed"
+    assert (coded in printed) == bool(options) and "placement " in printed, printed
 
 
 def test_experts_are_read_into_place_without_building_a_fused_tensor(tmp_path):
