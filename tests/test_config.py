@@ -153,3 +153,123 @@ def test_gpu_memory_auto_is_the_free_gpu_memory_minus_the_stated_headroom(monkey
         assert OffloadConfig("AUTO", device="cuda").gpu_memory == expected
     assert asked[0] == torch.device("cuda", 0)
     assert config.auto_gpu_memory(torch.device("cuda", 0)) == 0
+
+
+SLOW_LINK = dataclasses.replace(ws.REFERENCE_PROFILE, gpu="reference with a link 20x slower",
+                                copy_s_per_byte=ws.REFERENCE_PROFILE.copy_s_per_byte * 20)
+# every field the planner reads, with values that change some placement of a tiny mixture of experts
+PLANNED = {
+    "strategy": ["auto", "stream", "uva"],
+    "tokens": [1, 16, 256],
+    "profile": [None, ws.REFERENCE_PROFILE, SLOW_LINK],
+    "expert_cache": [True, False],
+    "routing_skew": [None, 0.0, 1.5],
+    "expert_copies": [False, True],
+}
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoint(tmp_path_factory):
+    from model_zoo import mixtral
+
+    model, _ = mixtral(0)
+    model = model.eval().requires_grad_(False)
+    folder = tmp_path_factory.mktemp("mixtral")
+    model.save_pretrained(folder)
+    return model, folder
+
+
+def _placement_or_error(call):
+    """What `call()` gives, or the type of the WeightstreamError it raises; warnings (what the planner
+    could not take) are another test's."""
+    import warnings
+
+    from weightstream.errors import WeightstreamError
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            return call()
+        except WeightstreamError as err:
+            return type(err)
+
+
+def _offloaded(model, *args, **kwargs):
+    handle = ws.offload(model, *args, **kwargs)
+    placement = handle.placement
+    handle.restore()
+    return placement
+
+
+def _loaded(folder, *args, **kwargs):
+    handle = ws.handle_of(ws.from_pretrained(folder, *args, progress=False, **kwargs))
+    placement = handle.placement
+    handle.restore()
+    return placement
+
+
+def _blocks(p) -> dict:
+    """What the plan command reports of a placement."""
+    return {"streamed": list(p.streamed), "zero_copy": list(p.uva), "experts_only": list(p.uva_experts),
+            "copies": list(p.expert_copies), "cache_slots": p.expert_slots, "slots": p.n_slots}
+
+
+def _reported(r: dict) -> dict:
+    return {"streamed": r["streamed"]["blocks"], "zero_copy": r["zero_copy"]["blocks"],
+            "experts_only": r["zero_copy"]["experts_only_blocks"], "copies": r["expert_copies"]["blocks"],
+            "cache_slots": r["expert_cache"]["slots"], "slots": r["streamed"]["slots"]}
+
+
+def _plan_command(folder, budget: int, fields: dict) -> dict:
+    import contextlib
+    import io
+    import json
+
+    from weightstream.cli import main
+
+    argv = ["plan", str(folder), "--gpu-memory", str(budget), "--json", "--strategy", fields["strategy"],
+            "--tokens", str(fields["tokens"])]
+    if fields["routing_skew"] is not None:
+        argv += ["--routing-skew", str(fields["routing_skew"])]
+    if fields["expert_copies"]:
+        argv.append("--expert-copies")
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = main(argv)
+    assert status == 0, err.getvalue()
+    return json.loads(out.getvalue())
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(fraction=st.sampled_from([0.2, 0.35, 0.5, 0.8]),
+       fields=st.fixed_dictionaries({name: st.sampled_from(values) for name, values in PLANNED.items()}))
+def test_every_planned_field_reaches_the_placement_through_every_entry_point(moe_checkpoint, fraction,
+                                                                            fields):
+    """A drawn config of a tiny mixture of experts on the CPU backend: `offload` and `from_pretrained`
+    (given the config, or its fields as keywords) place it as the planner does with those fields, and
+    `plan_report` and `weightstream plan` (where it has the options) report that placement for the
+    tokens asked for."""
+    from weightstream.placement.plan import Placement, plan
+    from weightstream.placement.prepare import prepare
+    from weightstream.planview import plan_report
+
+    model, folder = moe_checkpoint
+    weights = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    budget = int(weights * fraction)
+    config = OffloadConfig(budget, device="cpu", **fields)
+    cost = prepare(model, config.replace(placement=Placement((), 0, 0, 0, 0)), predict_wire=False).cost
+    expected = _placement_or_error(lambda: plan(
+        cost, budget, config.tokens, config.profile or ws.REFERENCE_PROFILE, config.strategy,
+        compress=config.compress, expert_cache=config.expert_cache, expert_copies=config.expert_copies))
+    assert _placement_or_error(lambda: _offloaded(model, config)) == expected
+    assert _placement_or_error(lambda: _offloaded(model, budget, device="cpu", **fields)) == expected
+    assert _placement_or_error(lambda: _loaded(folder, config)) == expected
+    assert _placement_or_error(lambda: _loaded(folder, budget, device="cpu", **fields)) == expected
+    report = _placement_or_error(lambda: plan_report(str(folder), config))
+    if not isinstance(expected, Placement):
+        assert report == expected
+        return
+    assert report["optimized_for_tokens"] == config.tokens and _reported(report) == _blocks(expected)
+    if fields["profile"] is None and fields["expert_cache"]:  # what the command line can ask for
+        shown = _plan_command(folder, budget, fields)
+        assert shown["optimized_for_tokens"] == config.tokens and _reported(shown) == _blocks(expected)

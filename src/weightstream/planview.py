@@ -7,6 +7,7 @@ from pathlib import Path
 import torch
 
 from .config import OffloadConfig, config_of
+from .errors import ArgumentError
 from .formats.hf import choose_disk_groups, diffusers_class
 from .placement.plan import predict_placement, wire_of
 from .placement.prepare import prepare
@@ -42,15 +43,21 @@ def plan_report(model_name: str, gpu_memory: int | str | OffloadConfig, tokens: 
     cpu_memory: host memory for the offloaded weights, as for `from_pretrained` (default: no limit).
     With the same arguments `from_pretrained` gets the same placement. compress: as for `offload` (wire
     sizes predicted from Hugging Face-initialized weights' ratio). `gpu_memory` may be an
-    `OffloadConfig` holding strategy and compress (and the device whose profile plans).
+    `OffloadConfig` holding strategy, compress, tokens (used where `tokens` is None), profile, the
+    expert options and the device whose profile plans when it holds none.
 
     speculate: a draft for speculative decoding, counted in the same budget (`speculative.budget`):
     "self" (int4 copies, groups of 128, of the blocks kept off the GPU), "prompt-lookup" (no bytes) or
     the folder of a draft checkpoint (its weights in `dtype`); the placement is the target's share and
     the result's "speculative" entry the split: target resident, staging and draft bytes."""
     config = config_of(gpu_memory, strategy=strategy, compress=compress)
+    if tokens is not None and config.tokens not in (1, tokens):
+        raise ArgumentError(f"tokens={tokens} given beside an OffloadConfig with tokens={config.tokens}: set "
+                            "them in the config (config.replace(tokens=...)), or give one of them")
     model = meta_model(model_name, dtype if dtype is not None else _stored_diffusers_dtype(model_name))
     diffusers_model = type(model).__module__.startswith("diffusers")
+    if tokens is None and config.tokens != 1:  # a config's tokens, as offload takes them
+        tokens = config.tokens
     if tokens is None:
         from .pipeline import denoiser_tokens
 
