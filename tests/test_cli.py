@@ -162,6 +162,12 @@ MISTAKES = {  # name: (argv after the folder, how to spoil the folder, what the 
     "plan --gpu-memory 0.25": (["plan", "llama-3-8b", "--gpu-memory", "0.25"], None, "bytes come whole"),
     "generate --routing-skew -1": (["generate", "{}", "--routing-skew", "-1"], None,
                                    "routing_skew=-1.0: give the Zipf exponent"),
+    "generate --expert-copies with a draft": (
+        ["generate", "{}", "--speculate", "self", "--expert-copies"], None,
+        "expert_copies=True (--expert-copies) with the self draft: the budget split beside a draft plans"),
+    "plan --expert-copies with a draft": (
+        ["plan", "{}", "--speculate", "prompt-lookup", "--expert-copies"], None,
+        "expert_copies=True (--expert-copies) with the prompt-lookup draft"),
     "plan cpu_memory too small": (["plan", "llama-3-8b", "--gpu-memory", "3GiB", "--cpu-memory", "1MB"],
                                   None, "cpu_memory"),
     "demo --fraction 0.05": (["demo", "--device", "cpu", "--fraction", "0.05"], None, "at least --fraction"),

@@ -166,3 +166,20 @@ def test_a_small_cpu_memory_keeps_groups_on_disk_and_gives_the_same_image(image_
                            out=out, progress=False)
     assert image.disk_bytes > 0 and image.steps == 2 and image.step_ms > 0 and image.load_seconds > 0
     assert out.read_bytes() == images[0]
+
+
+@pytest.mark.parametrize("asked", [{"expert_copies": True}, {"expert_cache": False}])
+def test_a_draft_in_the_budget_refuses_expert_options_its_split_would_drop(tmp_path, asked):
+    """The budget split beside a draft plans no expert copies and a GPU expert cache where faster:
+    asking otherwise is refused before anything loads, by generate_text and by plan_report."""
+    from weightstream.config import OffloadConfig
+    from weightstream.errors import ArgumentError
+    from weightstream.planview import plan_report
+
+    config = OffloadConfig("1MiB", device="cpu", **asked)
+    name = next(iter(asked))
+    with pytest.raises(ArgumentError, match=f"{name}=.* with the self draft"):
+        generate_text(tmp_path / "nothing here", "w1", config, speculate="self")
+    for draft in ("self", "prompt-lookup"):
+        with pytest.raises(ArgumentError, match=f"{name}=.* with the {draft} draft"):
+            plan_report("mixtral-8x7b", config.replace(gpu_memory="24GiB"), speculate=draft)

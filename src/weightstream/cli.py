@@ -69,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
                       help="a mixture of experts: copy each step's routed experts to the GPU by the copy "
                            "engine once the host has read the routing, instead of reading them in place "
                            "(as offload(expert_copies=True); faster for experts stored [experts, in, out], "
-                           "GPT-OSS); not with --compile graphs")
+                           "GPT-OSS); not with --compile graphs, nor with a --speculate draft that takes GPU "
+                           "memory (self, a folder: the budget split plans no copies)")
     image = gen.add_argument_group("image (a diffusers pipeline folder)")
     image.add_argument("--steps", type=int, default=None,
                        help="denoising steps (default: the pipeline's own, e.g. 28 for Flux)")
@@ -113,7 +114,8 @@ def main(argv: list[str] | None = None) -> int:
                            "offload(routing_skew=S); default: uniform routing")
     plan.add_argument("--expert-copies", action="store_true",
                       help="a mixture of experts: plan its routed experts copied by the copy engine each "
-                           "forward instead of read in place, as offload(expert_copies=True)")
+                           "forward instead of read in place, as offload(expert_copies=True); not with "
+                           "--speculate (the budget split plans no copies)")
     plan.add_argument("--json", action="store_true", help="print JSON for tools")
     plan.add_argument("--compress", default="auto", choices=["auto", "true", "false"],
                       help="stream groups losslessly compressed, as offload(compress=...): true, "

@@ -34,7 +34,7 @@ def auto_gpu_memory(device: torch.device) -> int:
     free, total = torch.cuda.mem_get_info(device)
     return max(0, free - max(AUTO_HEADROOM_BYTES, int(AUTO_HEADROOM_FRACTION * total)))
 
-__all__ = ["CHECK_ENV", "DEFAULTS", "OffloadConfig", "config_of"]
+__all__ = ["CHECK_ENV", "DEFAULTS", "OffloadConfig", "config_of", "refuse_unsplit_options"]
 
 
 @dataclass(frozen=True)
@@ -140,3 +140,15 @@ def config_of(gpu_memory: int | str | OffloadConfig = "auto", **given) -> Offloa
                                 f"(config.replace({changed[0]}=...)), or pass gpu_memory instead of it")
         return gpu_memory
     return OffloadConfig(gpu_memory, **given)
+
+
+def refuse_unsplit_options(config: OffloadConfig, draft: str) -> None:
+    """ArgumentError where `config` asks for what the budget split beside a speculative `draft` (its name)
+    does not plan: `speculative.budget.split_placement` places the model with a GPU expert cache where
+    predicted faster and never with expert copies, so `expert_copies=True` and `expert_cache=False`
+    would be dropped."""
+    asked = [text for text, on in (("expert_copies=True (--expert-copies)", config.expert_copies),
+                                   ("expert_cache=False", not config.expert_cache)) if on]
+    if asked:
+        raise ArgumentError(f"{' and '.join(asked)} with the {draft} draft: the budget split beside a draft "
+                            "plans the model without these; drop them, or the draft (--speculate)")

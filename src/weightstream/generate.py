@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from .config import OffloadConfig, config_of
+from .config import OffloadConfig, config_of, refuse_unsplit_options
 from .dtypes import parse_dtype
 from .errors import ArgumentError, CheckpointError
 from .formats.hf import checkpoint_folder, from_pretrained, model_class, read_config
@@ -171,8 +171,10 @@ def generate_text(
     no limit; groups beyond it are read from the checkpoint files every forward). Raises ArgumentError
     for an empty prompt or fewer than one new token, or with `speculate` for a generation_config.json
     setting speculative decoding does not apply (repetition_penalty...; the text would differ from plain
-    decoding's), CheckpointError for a checkpoint of a model that does not generate text (an encoder
-    such as BertModel), BudgetError for a draft that does not fit beside the model."""
+    decoding's) or, with a draft that takes GPU memory, for expert copies or expert_cache=False in
+    `gpu_memory`'s config (the split plans without them), CheckpointError for a checkpoint of a model
+    that does not generate text (an encoder such as BertModel), BudgetError for a draft that does not
+    fit beside the model."""
     if not prompt:
         raise ArgumentError("--prompt is empty: give the text to continue, e.g. --prompt 'Hello'")
     if max_new_tokens < 1:
@@ -180,6 +182,8 @@ def generate_text(
     if dtype is not None:
         parse_dtype(dtype)  # before anything is loaded
     width, depth = ("auto", "auto") if tree == "auto" else parse_tree(tree).dims
+    if speculate is not None and speculate != "prompt-lookup":  # its draft's weights split the budget
+        refuse_unsplit_options(config_of(gpu_memory, device=device), speculate)
     if speculate is not None and speculate not in DRAFT_NAMES:
         draft_folder = checkpoint_folder(speculate)  # a missing draft is found before the model loads
         _check_generates(model_class(read_config(draft_folder), draft_folder), draft_folder)

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from .config import OffloadConfig, config_of
+from .config import OffloadConfig, config_of, refuse_unsplit_options
 from .errors import ArgumentError
 from .formats.hf import choose_disk_groups, diffusers_class
 from .placement.plan import predict_placement, wire_of
@@ -49,8 +49,12 @@ def plan_report(model_name: str, gpu_memory: int | str | OffloadConfig, tokens: 
     speculate: a draft for speculative decoding, counted in the same budget (`speculative.budget`):
     "self" (int4 copies, groups of 128, of the blocks kept off the GPU), "prompt-lookup" (no bytes) or
     the folder of a draft checkpoint (its weights in `dtype`); the placement is the target's share and
-    the result's "speculative" entry the split: target resident, staging and draft bytes."""
+    the result's "speculative" entry the split: target resident, staging and draft bytes. The split
+    plans without expert copies and with a GPU expert cache where faster: a config asking otherwise
+    raises ArgumentError (`config.refuse_unsplit_options`)."""
     config = config_of(gpu_memory, strategy=strategy, compress=compress)
+    if speculate is not None:
+        refuse_unsplit_options(config, speculate)
     if tokens is not None and config.tokens not in (1, tokens):
         raise ArgumentError(f"tokens={tokens} given beside an OffloadConfig with tokens={config.tokens}: set "
                             "them in the config (config.replace(tokens=...)), or give one of them")
