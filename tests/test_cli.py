@@ -257,7 +257,7 @@ def pipeline_folder(tmp_path):
     return tmp_path, pipe
 
 
-@pytest.mark.parametrize("option", [["--tokens", "64"]])
+@pytest.mark.parametrize("option", [["--tokens", "64"], ["--routing-skew", "1"], ["--expert-copies"]])
 def test_plan_of_a_pipeline_folder_refuses_an_option_it_would_ignore(pipeline_folder, option, capsys):
     folder, _ = pipeline_folder
     assert main(["plan", str(folder), "--gpu-memory", "1MB", *option]) == 2

@@ -19,7 +19,7 @@ from weightstream.bench.flux_pipeline import tokenizer  # word-level, in memory
 from weightstream.errors import ArgumentError, BudgetError, OffloadStateError
 from weightstream.pipeline import PipelineHandle, _merge, front, modules_of, split_budget
 from weightstream.placement.cost import ModelCost
-from weightstream.placement.plan import _candidates, landing_options, placement_of
+from weightstream.placement.plan import Placement, _candidates, landing_options, placement_of
 from weightstream.placement.probe import H200
 
 pytest.importorskip("diffusers")
@@ -769,7 +769,7 @@ def test_missing_weights_and_one_models_arguments_are_refused(tmp_path):
 
     folder = tmp_path / "flux"
     saved(tiny_flux_pipeline(), folder)
-    with pytest.raises(ArgumentError, match="tokens, blocks, placement and keep_resident"):
+    with pytest.raises(ArgumentError, match="tokens: a pipeline is planned per component"):
         ws.from_pretrained(folder, gpu_memory="1GiB", device="cpu", tokens=64, progress=False)
     (folder / "transformer" / "diffusion_pytorch_model.safetensors").unlink()
     with pytest.raises(CheckpointError, match="transformer has no model.safetensors"):
@@ -935,3 +935,34 @@ def test_an_error_inside_a_pipeline_edit_leaves_it_restored_and_offloadable_agai
     again = ws.offload(pipe, gpu_memory=total_bytes(pipe) // 2, device="cpu", strategy="stream")
     assert torch.equal(generate(pipe), generate(ref))
     again.restore()
+
+
+PER_MODEL = {"tokens": 8, "blocks": ["transformer_blocks"], "placement": Placement((), 0, 0, 0, 0),
+             "keep_resident": ["pos_embed.freqs"], "expert_copies": True, "routing_skew": 1.0}
+
+
+@pytest.fixture(scope="module")
+def flux_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("flux")
+    saved(tiny_flux_pipeline(), folder)
+    return folder
+
+
+@pytest.mark.parametrize("name", PER_MODEL)
+def test_every_entry_point_refuses_what_a_pipelines_split_cannot_apply(flux_folder, name):
+    """One model's fields (and the expert options, which the split never plans) in a pipeline's config:
+    refused by offload(pipe), offload_pipeline, from_pretrained(folder) and plan_pipeline alike, naming
+    the field, where any of them would drop it."""
+    config = ws.OffloadConfig("1GiB", device="cpu", **{name: PER_MODEL[name]})
+    pipe = tiny_flux_pipeline()
+    calls = {"offload(pipe)": lambda: ws.offload(pipe, config),
+             "offload_pipeline": lambda: ws.pipeline.offload_pipeline(pipe, config),
+             "from_pretrained": lambda: ws.from_pretrained(flux_folder, config, progress=False),
+             "plan_pipeline": lambda: ws.pipeline.plan_pipeline(str(flux_folder), config)}
+    for what, call in calls.items():
+        with pytest.raises(ArgumentError, match=name) as err:
+            call()
+        assert "per component" in str(err.value) or "plans every component" in str(err.value), what
+    for m in modules_of(pipe).values():  # nothing stays offloaded
+        with pytest.raises(OffloadStateError, match="not offloaded"):
+            ws.handle_of(m)

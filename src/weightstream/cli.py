@@ -220,9 +220,11 @@ def _check_plan_options(args: argparse.Namespace, pipeline: bool) -> None:
     if args.steps is not None and args.steps < 1:
         raise ArgumentError(f"--steps {args.steps}: a generation takes at least 1 denoising step")
     if pipeline:
-        _refuse_unused({"--tokens": args.tokens, "--speculate": args.speculate},
+        _refuse_unused({"--tokens": args.tokens, "--speculate": args.speculate,
+                        "--routing-skew": args.routing_skew, "--expert-copies": args.expert_copies},
                        "a pipeline folder (model_index.json) is planned per component at its default tokens, "
-                       "and speculative decoding is for causal LMs")
+                       "without expert copies or a GPU expert cache, and speculative decoding is for causal "
+                       "LMs")
     else:
         _refuse_unused({"--steps": args.steps},
                        "only a pipeline folder (model_index.json) has denoising steps")

@@ -303,6 +303,22 @@ def component_costs(modules: dict[str, nn.Module], device, allow_meta: bool = Fa
     return costs
 
 
+def refuse_per_model_options(config: OffloadConfig) -> None:
+    """ArgumentError for what `config` holds that a pipeline's split cannot apply: blocks, tokens,
+    placement and keep_resident name one model's (`offload_pipeline(tokens=..., calls=...)` takes
+    tokens per component), and the split plans no expert copies and no GPU expert cache, so
+    `expert_copies=True` and a `routing_skew` would be dropped."""
+    given = [name for name, value, unset in (
+        ("tokens", config.tokens, 1), ("blocks", config.blocks, None), ("placement", config.placement, None),
+        ("keep_resident", config.keep_resident, ()), ("expert_copies", config.expert_copies, False),
+        ("routing_skew", config.routing_skew, None)) if value != unset]
+    if given:
+        raise ArgumentError(
+            f"{', '.join(given)}: a pipeline is planned per component (tokens per component: "
+            "offload_pipeline(pipe, ..., tokens={name: n}), without expert copies or a GPU expert cache); "
+            "drop them, or offload the one component that needs them (pipe.transformer) on its own")
+
+
 def offload_pipeline(
     pipe,
     gpu_memory: int | str | OffloadConfig = "auto",
@@ -334,10 +350,12 @@ def offload_pipeline(
         `offload`); pass one and the split depends on the arguments alone.
     check: as for `offload`, for every component.
     `gpu_memory` may be an `OffloadConfig` holding device, pin_memory, strategy, compress, profile and
-    check (its blocks, tokens, placement and keep_resident name one model's and must stay unset).
+    check (its blocks, tokens, placement, keep_resident, expert_copies and routing_skew must stay unset:
+    `refuse_per_model_options`).
     """
     config = config_of(gpu_memory, device=device, pin_memory=pin_memory, strategy=strategy,
                        compress=compress, profile=profile, check=check)
+    refuse_per_model_options(config)
     device, strategy, compress, profile = config.device, config.strategy, config.compress, config.profile
     if getattr(pipe, _PIPE_ATTR, None) is not None:
         raise OffloadStateError("this pipeline is already offloaded: call handle.restore() before offloading "
@@ -423,10 +441,7 @@ def load_pipeline(path, config: OffloadConfig, *, cpu_memory: int | str | None =
     except ImportError:
         raise CheckpointError(f"{path} is a diffusers pipeline folder: loading it needs diffusers (pip "
                               "install diffusers)") from None
-    if config.tokens != 1 or config.blocks is not None or config.placement is not None or (
-            config.keep_resident):
-        raise ArgumentError("tokens, blocks, placement and keep_resident name one model's: a pipeline "
-                            "folder is planned per component; load it without them")
+    refuse_per_model_options(config)
     folder = Path(path)
     host_bytes = None if cpu_memory is None else parse_size(cpu_memory)
     modules = meta_components(str(folder), dtype, build_context)
@@ -657,6 +672,7 @@ def plan_pipeline(folder: str, gpu_memory: int | str | OffloadConfig, steps: int
     that stay in their files (`choose_disk_groups`, as the load chooses them; `OffloadStats.disk_bytes`
     after a load at the default steps). Raises BudgetError, as the load does, when it is too small."""
     config = config_of(gpu_memory, strategy=strategy, compress=compress, profile=profile)
+    refuse_per_model_options(config)
     strategy, compress, budget = config.strategy, config.compress, config.gpu_memory
     modules = meta_components(folder, dtype)
     calls, tokens = _resolve_calls(modules, steps, None, None)
