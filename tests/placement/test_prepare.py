@@ -69,3 +69,25 @@ def test_compression_or_copies_asked_for_keep_a_model_that_fits_resident(asked):
         handle = ws.offload(model, gpu_memory=int(block_bytes(model) * 20), device="cpu", **asked)
     assert handle.placement.kind == "resident" and not caught
     handle.restore()
+
+
+@pytest.mark.parametrize("asked, named", [(dict(expert_copies=True), "expert_copies=True"),
+                                          (dict(routing_skew=1.5), "routing_skew=1.5"),
+                                          (dict(routing_skew=0, expert_copies=True),
+                                           "routing_skew=0 and expert_copies=True")])
+def test_expert_options_on_a_model_without_routed_experts_say_they_are_ignored(asked, named):
+    """A dense model has no routed experts to copy or cache: the options are named as ignored (from the
+    place that called offload), and a mixture of experts given them says nothing of the kind."""
+    budget = int(block_bytes(qwen3()) * 0.5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ws.offload(qwen3(), gpu_memory=budget, device="cpu", **asked).restore()
+    ours = [w for w in caught if "not a mixture of experts" in str(w.message)]
+    assert len(ours) == 1 and f"{named} ignored: Qwen3ForCausalLM" in str(ours[0].message)
+    assert ours[0].filename == __file__
+    moe, _ = ZOO["qwen3_moe"]()
+    moe = moe.to(torch.bfloat16).eval().requires_grad_(False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ws.offload(moe, gpu_memory=int(block_bytes(moe) * 0.5), device="cpu", **asked).restore()
+    assert not [w for w in caught if "not a mixture of experts" in str(w.message)]

@@ -204,6 +204,20 @@ def activation_width(model: nn.Module) -> int:
     return width if isinstance(width, int) and width > 0 else 0
 
 
+def _caller_level() -> int:
+    """The `stacklevel` of a warning from the function calling this one that names the line outside
+    weightstream (and torch's decorators between its functions) which asked: the user's `offload`,
+    `from_pretrained` or `plan_report` call, whichever path led here."""
+    import sys
+    from pathlib import Path
+
+    inside = (str(Path(__file__).parents[1]), str(Path(torch.__file__).parent))
+    frame, level = sys._getframe(2), 2  # the caller's caller: level 2 of warnings.warn there
+    while frame is not None and frame.f_code.co_filename.startswith(inside):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def prepare(
     model: nn.Module,
     gpu_memory: int | str | OffloadConfig,
@@ -263,6 +277,14 @@ def prepare(
                       expert_routing(model), wire=wire)
     cost = with_routing_skew(cost, config.routing_skew)  # what a GPU expert cache of k slots serves
     if placement is None:
+        unrouted = [text for text, on in (
+            (f"routing_skew={config.routing_skew!r}", config.routing_skew is not None),
+            ("expert_copies=True", config.expert_copies)) if on]
+        if unrouted and not cost.experts:
+            warnings.warn(
+                f"weightstream: {' and '.join(unrouted)} ignored: {type(model).__name__} is not a mixture of "
+                "experts (its config names no num_local_experts or num_experts with num_experts_per_tok), "
+                "so there are no routed experts to plan for; drop them", stacklevel=_caller_level())
         profile = load_profile(device) if profile is None else profile
         placement = plan(cost, budget, tokens, profile, strategy, host_bytes=host_bytes, compress=compress,
                          experts_apart=experts_apart, expert_cache=config.expert_cache,
@@ -275,7 +297,7 @@ def prepare(
                 f"place, {len(placement.uva_experts)} of them for their routed experts alone) copies no "
                 "expert: none is read apart, or the copies' work buffers do not fit the budget beside it. "
                 "Give more gpu_memory, or force copies with placement=plan.placement_of(..., "
-                "uva_experts=..., expert_copies=...)", stacklevel=4)
+                "uva_experts=..., expert_copies=...)", stacklevel=_caller_level())
         if compress is True and placement.kind != "resident" and not (placement.compressed
                                                                        or placement.copy_landing_bytes):
             shrinks = any(sum(w) < sum(b) for w, b in zip(cost.tensor_wire, cost.tensor_bytes, strict=True))
@@ -286,7 +308,7 @@ def prepare(
             warnings.warn(
                 f"weightstream: compress=True, but the planner's placement ({placement.kind}: "
                 f"{len(placement.streamed)} blocks streamed, {len(placement.uva)} read in place) moves raw "
-                f"bytes over the link: {why}", stacklevel=4)
+                f"bytes over the link: {why}", stacklevel=_caller_level())
     elif placement.gpu_bytes > budget or max(placement.streamed + placement.uva, default=-1) >= len(found):
         raise ArgumentError(
             f"the given placement needs {format_size(placement.gpu_bytes)} of GPU memory for blocks up to "
