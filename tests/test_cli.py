@@ -1,6 +1,7 @@
 """The command line, run in-process on the CPU."""
 
 import json
+import re
 import struct
 
 import pytest
@@ -327,3 +328,12 @@ def test_plan_with_a_routing_skew_caches_popular_experts_at_decode_and_says_what
     assert "of the routed reads under Zipf(1) routing" in out and "replayed from a CUDA graph" in out
     assert main(["plan", "qwen3-30b-a3b", "--gpu-memory", "8GiB", "--routing-skew", "-2"]) == 2
     assert "give the Zipf exponent" in capsys.readouterr().err
+
+
+def test_plan_help_names_every_built_in_shape(capsys):
+    from weightstream.placement.shapes import SHAPES
+
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    text = re.sub(r"-\s+", "-", capsys.readouterr().out)  # argparse may wrap a name at a hyphen
+    assert [name for name in SHAPES if name not in text] == []

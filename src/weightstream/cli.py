@@ -85,8 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     probe = sub.add_parser("probe", help="measure this GPU's link and GEMM rates for the planner (cached)")
     probe.add_argument("--refresh", action="store_true", help="measure again even if cached")
     plan = sub.add_parser("plan", help="show where a model's weights would go under a budget")
-    plan.add_argument("model", help="a built-in shape (llama-3-8b, qwen2.5-32b, mixtral-8x7b, llama-3-70b), "
-                                    "a local folder with config.json (a transformers checkpoint, or a "
+    plan.add_argument("model", help="a built-in shape (llama-3-8b, llama-3-70b, qwen2.5-32b, mixtral-8x7b, "
+                                    "qwen3-30b-a3b, qwen3-235b-a22b, gpt-oss-20b, deepseek-v2-lite), a "
+                                    "local folder with config.json (a transformers checkpoint, or a "
                                     "diffusers model such as FLUX.1-dev/transformer), or a diffusers "
                                     "pipeline folder (model_index.json): one budget split across its "
                                     "components")
