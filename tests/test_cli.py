@@ -337,3 +337,25 @@ def test_plan_help_names_every_built_in_shape(capsys):
         main(["plan", "--help"])
     text = re.sub(r"-\s+", "-", capsys.readouterr().out)  # argparse may wrap a name at a hyphen
     assert [name for name in SHAPES if name not in text] == []
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="compress='auto' is raw only without CUDA")
+def test_plan_says_when_compress_auto_planned_raw_only_for_want_of_cuda(pipeline_folder, capsys):
+    """The plan is costed on a GPU's profile, but "auto" resolves to raw groups on a machine without
+    CUDA: the report says so (text and JSON), for one model and for a pipeline, and not where raw was
+    asked for."""
+    from weightstream.pipeline import AUTO_RAW_NOTE
+
+    argv = ["plan", "llama-3-8b", "--gpu-memory", "4GiB"]
+    assert main(argv) == 0 and AUTO_RAW_NOTE in capsys.readouterr().out
+    assert main([*argv, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["wire"]["auto_raw_without_cuda"]
+    assert main([*argv, "--compress", "false"]) == 0 and AUTO_RAW_NOTE not in capsys.readouterr().out
+    folder, _ = pipeline_folder
+    argv = ["plan", str(folder), "--gpu-memory", "60KB", "--json"]
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert any(c["streamed_blocks"] for c in report["components"].values())
+    assert report["compress_auto_raw_without_cuda"]
+    assert main(argv[:-1]) == 0 and AUTO_RAW_NOTE in capsys.readouterr().out
+    assert main([*argv[:-1], "--compress", "false"]) == 0 and AUTO_RAW_NOTE not in capsys.readouterr().out

@@ -160,6 +160,11 @@ def _run(args: argparse.Namespace) -> int:
                   if pipeline
                   else plan_report(args.model, config, args.tokens, dtype=args.dtype,
                                    cpu_memory=args.cpu_memory, speculate=args.speculate))
+        if args.compress == "auto" and not config.compress:  # the config resolved "auto": raw without CUDA
+            if pipeline:
+                report["compress_auto_raw_without_cuda"] = True
+            else:
+                report["wire"]["auto_raw_without_cuda"] = True
         text = format_pipeline_plan(report) if pipeline else format_report(report)
         print(json.dumps(report, indent=1) if args.json else text)
         return 0

@@ -37,6 +37,9 @@ from .sizes import format_size, parse_size
 
 DENOISERS = ("transformer", "transformer_2", "unet", "prior", "decoder")  # called once per step
 DEFAULT_STEPS = 28
+# what `weightstream plan` says where compress="auto" planned raw only because this machine has no CUDA
+AUTO_RAW_NOTE = ("compress auto plans raw groups on this machine, which has no CUDA (the planned GPU may "
+                 "compress them): --compress true shows them compressed")
 DEFAULT_TOKENS = {"denoiser": 4096, "other": 512}  # tokens per forward the cost model plans for
 # Tokens per denoiser forward at its pipeline's default generation, by the denoiser's class: what its
 # GEMMs and attention see. A model not listed gets DEFAULT_TOKENS["denoiser"] (a 64x64 latent).
@@ -671,8 +674,10 @@ def plan_pipeline(folder: str, gpu_memory: int | str | OffloadConfig, steps: int
     with no limit, all its zero-copy and streamed bytes) and `disk_bytes` the tensor bytes of its groups
     that stay in their files (`choose_disk_groups`, as the load chooses them; `OffloadStats.disk_bytes`
     after a load at the default steps). Raises BudgetError, as the load does, when it is too small."""
+    auto_raw = compress == "auto" and not isinstance(gpu_memory, OffloadConfig)  # raw without CUDA?
     config = config_of(gpu_memory, strategy=strategy, compress=compress, profile=profile)
     refuse_per_model_options(config)
+    auto_raw = auto_raw and not config.compress
     strategy, compress, budget = config.strategy, config.compress, config.gpu_memory
     modules = meta_components(folder, dtype)
     calls, tokens = _resolve_calls(modules, steps, None, None)
@@ -698,6 +703,7 @@ def plan_pipeline(folder: str, gpu_memory: int | str | OffloadConfig, steps: int
                       "ms_per_call": round(pl.prediction.again_ms, 2),
                       "ms_per_generation": round(p.generation_ms, 1), **host[name]}
     return {"pipeline": folder, "budget_bytes": budget, "steps": steps, "compress": compress,
+            "compress_auto_raw_without_cuda": auto_raw,
             "cpu_memory_bytes": None if cpu_memory is None else parse_size(cpu_memory),
             "host_bytes": sum(r["host_bytes"] for r in rows.values()),
             "disk_bytes": sum(r["disk_bytes"] for r in rows.values()),
@@ -775,6 +781,9 @@ def format_pipeline_plan(r: dict) -> str:
                      f"generation first); {format_size(r['disk_bytes'])} stay on disk, read every call "
                      "through two pinned bounce buffers of their component's largest group (counted in its "
                      "host memory)")
+    streams = any(c["streamed_blocks"] for c in r["components"].values())
+    if r.get("compress_auto_raw_without_cuda") and streams:
+        lines.append(AUTO_RAW_NOTE)
     if r["compress"] is not False:
         lines.append("compressed sizes are predicted for Hugging Face-initialized weights; real ones differ")
     return "\n".join(lines)

@@ -9,6 +9,7 @@ import torch
 from .config import OffloadConfig, config_of, refuse_unsplit_options
 from .errors import ArgumentError
 from .formats.hf import choose_disk_groups, diffusers_class
+from .pipeline import AUTO_RAW_NOTE
 from .placement.plan import predict_placement, wire_of
 from .placement.prepare import prepare
 from .placement.probe import load_profile
@@ -42,9 +43,11 @@ def plan_report(model_name: str, gpu_memory: int | str | OffloadConfig, tokens: 
     diffusers model folder the dtype its weights are stored in; bfloat16 for a built-in shape).
     cpu_memory: host memory for the offloaded weights, as for `from_pretrained` (default: no limit).
     With the same arguments `from_pretrained` gets the same placement. compress: as for `offload` (wire
-    sizes predicted from Hugging Face-initialized weights' ratio). `gpu_memory` may be an
-    `OffloadConfig` holding strategy, compress, tokens (used where `tokens` is None), profile, the
-    expert options and the device whose profile plans when it holds none.
+    sizes predicted from Hugging Face-initialized weights' ratio; "auto" is raw on a machine without
+    CUDA, whatever GPU the profile is, and the report's `wire.auto_raw_without_cuda` says so).
+    `gpu_memory` may be an `OffloadConfig` holding strategy, compress (whose "auto" is resolved: the
+    report cannot say it), tokens (used where `tokens` is None), profile, the expert options and the
+    device whose profile plans when it holds none.
 
     speculate: a draft for speculative decoding, counted in the same budget (`speculative.budget`):
     "self" (int4 copies, groups of 128, of the blocks kept off the GPU), "prompt-lookup" (no bytes) or
@@ -53,6 +56,8 @@ def plan_report(model_name: str, gpu_memory: int | str | OffloadConfig, tokens: 
     plans without expert copies and with a GPU expert cache where faster: a config asking otherwise
     raises ArgumentError (`config.refuse_unsplit_options`)."""
     config = config_of(gpu_memory, strategy=strategy, compress=compress)
+    # "auto" is raw on a machine without CUDA (OffloadConfig), whatever GPU the profile describes
+    auto_raw = compress == "auto" and not isinstance(gpu_memory, OffloadConfig) and not config.compress
     if speculate is not None:
         refuse_unsplit_options(config, speculate)
     if tokens is not None and config.tokens not in (1, tokens):
@@ -133,7 +138,7 @@ def plan_report(model_name: str, gpu_memory: int | str | OffloadConfig, tokens: 
                  # what a forward reads from disk: compressed groups' blobs (predicted) from the cache
                  "wire_bytes": sum(cost.wire_bytes(p.streamed[g], p.part) if p.compressed
                                    else cost.streamed_bytes(p.streamed[g], p.part) for g in on_disk)},
-        "wire": _wire(cost, p),
+        "wire": {**_wire(cost, p), "auto_raw_without_cuda": auto_raw},
         "gpu_bytes": p.gpu_bytes,
         # ms: a forward in a loop of them (its first groups copied during the forward before);
         # first_ms: the first forward, or a CUDA graph replay (which starts with nothing staged)
@@ -208,7 +213,8 @@ def format_report(r: dict) -> str:
         f"on the wire: {size(r['wire']['bytes'])} of {size(r['wire']['raw_bytes'])} streamed per forward, "
         + (f"compressed (ratio {r['wire']['ratio']:.3f}; landing buffers {r['wire']['landing_buffers']} x "
            f"{size(r['wire']['landing_bytes'])}, counted in the GPU memory)"
-           if r["wire"]["compressed"] else "raw (ratio 1.000; no landing buffers)"),
+           if r["wire"]["compressed"] else "raw (ratio 1.000; no landing buffers)")
+        + (f"; {AUTO_RAW_NOTE}" if r["wire"].get("auto_raw_without_cuda") and r["wire"]["raw_bytes"] else ""),
         *([f"{'on disk':12}{len(r['disk']['blocks']):>8}{size(r['disk']['bytes']):>14}"
            + (f"   (streamed; {size(r['disk']['wire_bytes'])} read each forward from a compressed cache "
               "file)" if r["wire"]["compressed"] else
