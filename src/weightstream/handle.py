@@ -31,6 +31,7 @@ from .placement.entries import _set_tensor
 from .placement.experts import fit_routing_skew, routers
 from .placement.plan import Placement, placement_of
 from .placement.prepare import Prepared, _plain, final_places, prepare
+from .placement.probe import load_profile
 from .sizes import format_size
 from .wire.groups import encode_groups, fill_arena
 
@@ -254,9 +255,10 @@ class OffloadHandle:
         writable (PEFT merge_adapter/unmerge_adapter, diffusers fuse_lora/unfuse_lora and
         load_lora_weights, fusing a norm into a linear, `w.mul_(s)` under no_grad). On leaving it the
         model is offloaded again with the arguments `offload()` was given (the same placement where
-        no block changed size, else planned anew within the same budget), and this handle becomes the
-        new offload's. The edits run on the CPU, where offloaded weights live: the result equals the
-        resident model edited on the CPU. Host memory must hold the whole model while inside; compiled
+        no block changed size, else the same blocks resized, or, where those no longer fit the budget,
+        planned anew with a warning), and this handle becomes the new offload's. The edits run on the
+        CPU, where offloaded weights live: the result equals the resident model edited on the CPU.
+        Host memory must hold the whole model while inside; compiled
         or captured forwards must be compiled or captured again. Where the block raises, the model
         stays restored on the CPU (this handle is then restored). Yields the model.
         """
@@ -279,11 +281,23 @@ class OffloadHandle:
             config = config.replace(placement=p)
         else:  # blocks changed size: the same blocks streamed and read in place, slots resized (None:
             # that no longer fits the budget, and the planner places the model anew)
+            if p.compressed or p.copy_landing_bytes:  # its landing buffers: the codec's predicted sizes
+                cost = prepare(self.model, config.replace(gpu_memory=0, placement=empty, compress=True),
+                               predict_wire=True).cost
             config = config.replace(placement=placement_of(
-                cost, p.streamed, p.n_slots, p.uva, p.part, budget=self.engine.budget,
+                cost, p.streamed, p.n_slots, p.uva, p.part, tokens=config.tokens,
+                profile=config.profile or load_profile(self.device), budget=self.engine.budget,
                 strategy=p.requested_strategy, compressed=p.compressed,
                 landing_buffers=p.landing_buffers or None, uva_experts=p.uva_experts,
-                expert_cache=p.expert_cache, expert_slots=p.expert_slots, expert_copies=p.expert_copies))
+                expert_cache=p.expert_cache, expert_slots=p.expert_slots, expert_copies=p.expert_copies,
+                coded_copies=bool(p.copy_landing_bytes)))
+            if config.placement is None:
+                warnings.warn(
+                    f"weightstream: the edit resized the model's blocks and its placement ({p.kind}: "
+                    f"{len(p.streamed)} blocks streamed, {len(p.uva)} read in place, {len(p.expert_copies)} "
+                    f"copying their experts, {len(p.expert_cache)} caching them) no longer fits gpu_memory="
+                    f"{format_size(self.engine.budget)}: the planner places the model anew (see "
+                    "handle.placement). Offload with more gpu_memory to keep it", stacklevel=3)
         new = offload_module(self.model, config)
         new.config = asked  # what was asked; the placement kept (or resized) is an edit's, not the user's
         self.__dict__.clear()

@@ -1,0 +1,110 @@
+"""Editing an offloaded mixture of experts (`handle.edit()`): the placement kept across an edit that
+changes block sizes (expert copies coded or raw, a GPU expert cache, compressed streamed blocks), and
+weight writes to routed experts reaching every later forward, `state_dict()` and `restore()`, each
+against the resident model edited the same way (`torch.equal`), on the CPU backend."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+from model_zoo import call, same
+from test_coded_copies import bf16_model
+from test_expert_cache import inputs_like, restores_true_state
+
+import weightstream as ws
+from weightstream.engine.coded_experts import CodedCopy
+from weightstream.engine.expert_cache import ExpertCache, ExpertCopy
+from weightstream.placement.plan import placement_of, predict_placement
+from weightstream.placement.prepare import prepare
+
+HEADROOM = 1 << 16  # budget beyond the forced placement: room for the adapters an edit adds
+
+# the placements kept across an edit: what each names beside the blocks read for their experts
+KINDS = {
+    "coded copies": dict(expert_copies=True, coded_copies=True),
+    "raw copies": dict(expert_copies=True),
+    "cache": dict(expert_cache=True, expert_slots=2),
+    "compressed streamed": dict(streamed=True, compressed=True),
+}
+
+
+def forced(model, kind: str):
+    """A placement of `kind` for the zoo model `model`: blocks 0 and 2 read for their routed experts,
+    and (streamed kinds) blocks 1 and 3 streamed through one slot."""
+    cost = prepare(model, gpu_memory=2**40, device="cpu", compress=True).cost
+    args = dict(KINDS[kind])
+    uva = (0, 2)
+    streamed = (1, 3) if args.pop("streamed", False) else ()
+    for key in ("expert_copies", "expert_cache"):
+        if args.get(key):
+            args[key] = uva
+    return placement_of(cost, streamed, 1 if streamed else 0, uva, uva_experts=uva, **args)
+
+
+def add_lora(model) -> None:
+    """A LoRA adapter on the attention projections, drawn from a fixed seed (non-zero): every block
+    grows, so the edit plans its placement again."""
+    from peft import LoraConfig, inject_adapter_in_model
+
+    torch.manual_seed(3)
+    inject_adapter_in_model(LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
+                            model)
+    model.eval().requires_grad_(False)
+
+
+def kept(p) -> tuple:
+    """What a placement decides, its sizes aside."""
+    return (p.streamed, p.n_slots, p.uva, p.part, p.uva_experts, p.expert_cache, p.expert_slots,
+            p.expert_copies, bool(p.copy_landing_bytes), p.compressed, p.landing_buffers,
+            p.requested_strategy)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_an_edit_that_resizes_blocks_keeps_the_placement_and_stays_exact(kind):
+    """An adapter added inside `edit()` resizes every block: the same blocks stay streamed, read in
+    place, copied (coded copies still coded), cached or compressed, the slots and landing buffers
+    resized, predicted for the tokens and profile the offload was given; outputs equal the resident
+    model given the same adapter."""
+    model, inputs = bf16_model("mixtral")
+    placement = forced(model, kind)
+    ref = copy.deepcopy(model)
+    profile = dataclasses.replace(ws.REFERENCE_PROFILE, expert_sync_seconds=1e-3)
+    handle = ws.offload(model, gpu_memory=placement.gpu_bytes + HEADROOM, device="cpu", placement=placement,
+                        tokens=4, profile=profile)
+    assert same(call(model, inputs), call(ref, inputs))
+    with handle.edit():
+        add_lora(model)
+    add_lora(ref)
+    after = handle.placement
+    assert after.resident_bytes > placement.resident_bytes  # resized, not the same placement
+    assert kept(after) == kept(placement)
+    cost = prepare(ref, gpu_memory=2**40, device="cpu", compress=True).cost  # the edited blocks' sizes
+    assert after.prediction == predict_placement(cost, after, 4, profile)
+    caches = handle.expert_caches
+    want = {"coded copies": CodedCopy, "raw copies": ExpertCopy, "cache": ExpertCache}.get(kind)
+    assert (caches is None) if want is None else all(type(c) is want for c in caches.caches)
+    if kind == "coded copies":
+        assert handle.stats.expert_wire_ratio < 0.95
+    for seed in range(3):
+        batch = inputs_like(inputs, seed)
+        assert same(call(model, batch), call(ref, batch)), seed
+    restores_true_state(handle, model, ref, inputs)
+
+
+def test_an_edit_whose_blocks_outgrow_the_placement_says_it_places_the_model_anew():
+    """Without room in the budget for what the edit adds, the placement cannot be kept: a warning says
+    the planner placed the model anew (it no longer copies experts), and outputs stay exact."""
+    model, inputs = bf16_model("mixtral")
+    placement = forced(model, "coded copies")
+    ref = copy.deepcopy(model)
+    handle = ws.offload(model, gpu_memory=placement.gpu_bytes, device="cpu", placement=placement)
+    with pytest.warns(UserWarning, match="no longer fits gpu_memory=.*the planner places the model anew"):
+        with handle.edit():
+            add_lora(model)
+    add_lora(ref)
+    assert handle.placement.gpu_bytes <= placement.gpu_bytes
+    assert same(call(model, inputs), call(ref, inputs))
+    handle.restore()
