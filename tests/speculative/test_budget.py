@@ -159,3 +159,15 @@ def test_plan_speculate_prints_the_split(tmp_path, capsys):
     assert main(["plan", model, "--gpu-memory", "250000", "--dtype", "float32", "--strategy", "stream",
                  "--speculate", "self"]) == 2
     assert "cannot hold the self int4 g128 draft" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("asked", [dict(expert_copies=True), dict(expert_cache=False)])
+def test_a_split_refuses_the_expert_options_it_does_not_plan_and_offloads_nothing(llama, asked):
+    """The budget split beside a draft plans without expert copies and with the GPU expert cache where
+    predicted faster: `offload_with_draft` refuses what it would drop, before anything moves."""
+    model = copy.deepcopy(llama)
+    with pytest.raises(ws.ArgumentError, match=f"{next(iter(asked))}=.*with the SelfDraft draft"):
+        offload_with_draft(model, int(weight_bytes(model) * 0.8), ws.SelfDraft(bits=8), device="cpu",
+                           strategy="stream", **asked)
+    with pytest.raises(ws.WeightstreamError):
+        ws.handle_of(model)  # the model stayed as it was

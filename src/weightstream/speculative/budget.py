@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ..config import OffloadConfig, config_of
+from ..config import OffloadConfig, config_of, refuse_unsplit_options
 from ..errors import ArgumentError, BudgetError
 from ..offload import offload
 from ..placement.blocks import find_blocks
@@ -219,6 +219,7 @@ def plan_split(model: nn.Module, gpu_memory: int | str | OffloadConfig, draft: o
     if config.placement is not None:
         raise ArgumentError("placement=...: a split plans the target's placement itself; give the budget "
                             "and the draft, or offload with your placement and no draft")
+    refuse_unsplit_options(config, draft if isinstance(draft, str) else type(draft).__name__)
     profile = load_profile(config.device) if config.profile is None else config.profile
     cost = prepare(model, config.replace(profile=profile), allow_meta=allow_meta, host_bytes=host_bytes).cost
     return split_placement(model, cost, config.gpu_memory, draft, tokens=config.tokens, profile=profile,
