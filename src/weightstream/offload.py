@@ -106,9 +106,10 @@ def offload(
     `with handle.edit():` (docs/exactness.md).
 
     A diffusers pipeline is offloaded as a whole (`pipeline.offload_pipeline`, a `PipelineHandle`):
-    device, pin_memory, strategy, compress and profile apply to every component; blocks, tokens and
-    placement name one model's and are refused (`offload_pipeline(tokens=..., calls=...)` takes them
-    per component).
+    device, pin_memory, strategy, compress and profile apply to every component; blocks, tokens,
+    placement and keep_resident name one model's and are refused (`offload_pipeline(tokens=...,
+    calls=...)` takes tokens per component), as are expert_copies and routing_skew, which the split
+    over components does not plan.
     """
     config = config_of(gpu_memory, device=device, pin_memory=pin_memory, blocks=blocks, strategy=strategy,
                        tokens=tokens, profile=profile, placement=placement, compress=compress, check=check,
