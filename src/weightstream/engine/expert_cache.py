@@ -32,10 +32,11 @@ than without the cache, where from a CUDA graph the cache made it 21% faster). S
 says so, once per model.
 
 Under torch.compile the gather is the custom op `weightstream::expert_gather`, which takes the experts'
-inputs and returns copies of them (as the schedule ops of `ops.py` do), so every read of the parameters
-follows it; eagerly it is called straight from a forward pre-hook on the experts module.
+inputs and returns copies of them (as the schedule ops of `ops.py` do), so every
+read of the parameters follows it; eagerly it is called straight from the forward of the experts
+module (`_gathered_class`: a subclass, since torch.compile guards on classes, not hooks).
 
-Expert copies (`ExpertCopy`, placement.expert_copies) use the same work buffers, hooks and op without a
+Expert copies (`ExpertCopy`, placement.expert_copies) use the same work buffers, classes and op without a
 pool or table: the host reads the call's routing (one synchronization per layer) and the copy engine
 copies the routed experts' rows from the pinned arena into the work buffer, at the link's copy rate
 whatever the experts' layout (a GEMM reading GPT-OSS's [experts, in, out] experts in place reads short
@@ -237,9 +238,10 @@ _IDS = itertools.count(1)
 
 
 class ExpertCaches:
-    """Every expert cache of one offloaded model: the pre-hooks that run them, their shared work
-    buffers, and what they counted. Built by `offload.finish` from the zero-copy groups of the cached
-    blocks; `remove()` takes the hooks off (the parameters then view the host arena again)."""
+    """Every expert cache of one offloaded model: the experts modules' classes that run them
+    (`_gathered_class`), their shared work buffers, and what they counted. Built by `offload.finish` from
+    the zero-copy groups of the cached blocks; `remove()` gives the modules their classes back (the
+    parameters then view the host arena again)."""
 
     def __init__(self, layers: list[tuple[nn.Module, list[tuple[Entry, torch.Tensor, torch.Tensor]]]],
                  slots: int, device: torch.device, fill_calls: int = FILL_CALLS,
@@ -294,7 +296,9 @@ class ExpertCaches:
         self.watch_eager = device.type == "cuda" and not self.copies
         self.cache_id = next(_IDS)
         _CACHES[self.cache_id] = self
-        self.hooks = [c.module.register_forward_pre_hook(self._hook(i)) for i, c in enumerate(self.caches)]
+        for i, c in enumerate(self.caches):  # each experts module gathers before it computes
+            c.module._ws_cache_id, c.module._ws_cache_layer = self.cache_id, i
+            c.module.__class__ = _gathered_class(type(c.module))
 
     @property
     def pool_bytes(self) -> int:
@@ -322,19 +326,13 @@ class ExpertCaches:
         raw = sum(c.row_bytes * c.experts for c in coded)
         return sum(c.wire_bytes for c in coded) / raw if raw else None
 
-    def _hook(self, i: int):
-        def gather(module: nn.Module, args: tuple):
-            hidden, top_k_index, *rest = args
-            tensors = [hidden, top_k_index, *(t for t in rest if isinstance(t, torch.Tensor))]
-            if not _traced(tensors):
-                ops._refuse_autograd(tensors)
-                if i == 0 and self.watch_eager:
-                    self.note_eager_call(torch.cuda.is_current_stream_capturing())
-                self.gather(i, top_k_index)
-                return None
-            out = iter(torch.ops.weightstream.expert_gather(tensors, self.cache_id, i))
-            return (next(out), next(out), *(next(out) if isinstance(t, torch.Tensor) else t for t in rest))
-        return gather
+    def before_experts(self, i: int, tensors: list[torch.Tensor]) -> None:
+        """Run eagerly before layer `i`'s experts compute on `tensors` (hidden states, routing, the rest):
+        refuse autograd, count the forward on a GPU, gather."""
+        ops._refuse_autograd(tensors)
+        if i == 0 and self.watch_eager:
+            self.note_eager_call(torch.cuda.is_current_stream_capturing())
+        self.gather(i, tensors[1])
 
     def gather(self, i: int, top_k_index: torch.Tensor) -> None:
         """Layer `i`'s gather, after checking that no expert weight of the layer was written in place
@@ -396,14 +394,46 @@ class ExpertCaches:
                 c.table.counts.zero_()
 
     def remove(self) -> None:
-        """Take the hooks off and point each parameter back at its host bytes; forget this cache."""
-        for hook in self.hooks:
-            hook.remove()
-        self.hooks = []
+        """Give each experts module its own class back and point each parameter back at its host bytes;
+        forget this cache."""
+        for c in self.caches:
+            module = c.module
+            if type(module) in _GATHERED_CLASSES.values():
+                module.__class__ = type(module).__mro__[1]
+                del module._ws_cache_id, module._ws_cache_layer
         for entry, tensor, host_view in self._host_views:
             if entry.tensor is tensor:  # still the tensor installed (not one the model bound since)
                 _set_tensor(entry, host_view)
         _CACHES.pop(self.cache_id, None)
+
+
+_GATHERED_CLASSES: dict[type, type] = {}
+
+
+def _gathered_class(base: type) -> type:
+    """A subclass of the experts class `base` whose forward runs its layer's gather first (eagerly, or
+    through the op `expert_gather` where traced: every read of the parameters follows it).
+
+    A class rather than a forward pre-hook: torch.compile guards on a submodule's type but not on its
+    hooks (torch._dynamo.config.skip_nnmodule_hook_guards), so a graph compiled for another model of the
+    same class (the resident twin, a model compiled before offload) ran for this one without the gather,
+    its experts reading the work buffers as the last gather left them."""
+    if base not in _GATHERED_CLASSES:
+        original = base.forward
+
+        def forward(self, hidden, top_k_index, *rest, **kwargs):
+            tensors = [hidden, top_k_index, *(t for t in rest if isinstance(t, torch.Tensor))]
+            if _traced(tensors):
+                out = iter(torch.ops.weightstream.expert_gather(tensors, self._ws_cache_id,
+                                                                self._ws_cache_layer))
+                hidden, top_k_index = next(out), next(out)
+                rest = tuple(next(out) if isinstance(t, torch.Tensor) else t for t in rest)
+            else:
+                _caches(self._ws_cache_id).before_experts(self._ws_cache_layer, tensors)
+            return original(self, hidden, top_k_index, *rest, **kwargs)
+
+        _GATHERED_CLASSES[base] = type(f"Gathered{base.__name__}", (base,), {"forward": forward})
+    return _GATHERED_CLASSES[base]
 
 
 def copyable(group: list[tuple]) -> str | None:
