@@ -57,3 +57,20 @@ def test_graphs_compiled_for_the_resident_twin_or_before_offload_are_not_reused(
     batch = inputs_like(inputs, 7)
     assert same(call(compiled, batch), call(twin, batch))
 
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["copies", "coded", "cache"])
+@pytest.mark.parametrize("name", ["mixtral", "gpt_oss"])
+def test_inductor_output_equals_the_resident_model_compiled_the_same_way(name, kind, fresh_dynamo):
+    """bf16 experts under inductor: the gather orders the experts after it through their hidden states
+    and routing, and leaves the routing weights to be fused into the experts' weighting as resident
+    (through the op they were stored in bf16 where the resident graph kept them in float32)."""
+    model, inputs = tiny(name, torch.bfloat16)
+    ref = copy.deepcopy(model)
+    handle = offloaded(kind, model)
+    compiled = torch.compile(model, fullgraph=True)
+    twin = torch.compile(ref, fullgraph=True)
+    for seed in range(2):
+        batch = inputs_like(inputs, seed)
+        assert same(call(compiled, batch), call(twin, batch)), seed
+    handle.restore()

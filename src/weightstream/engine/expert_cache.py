@@ -32,7 +32,7 @@ than without the cache, where from a CUDA graph the cache made it 21% faster). S
 says so, once per model.
 
 Under torch.compile the gather is the custom op `weightstream::expert_gather`, which takes the experts'
-inputs and returns copies of them (as the schedule ops of `ops.py` do), so every
+hidden states and routing and returns copies of them (as the schedule ops of `ops.py` do), so every
 read of the parameters follows it; eagerly it is called straight from the forward of the experts
 module (`_gathered_class`: a subclass, since torch.compile guards on classes, not hooks).
 
@@ -417,17 +417,17 @@ def _gathered_class(base: type) -> type:
     A class rather than a forward pre-hook: torch.compile guards on a submodule's type but not on its
     hooks (torch._dynamo.config.skip_nnmodule_hook_guards), so a graph compiled for another model of the
     same class (the resident twin, a model compiled before offload) ran for this one without the gather,
-    its experts reading the work buffers as the last gather left them."""
+    its experts reading the work buffers as the last gather left them. The routing weights do not go
+    through the op: the compiler fuses their softmax and normalization into the experts' weighting as it
+    does resident, where a stored copy rounded them otherwise."""
     if base not in _GATHERED_CLASSES:
         original = base.forward
 
         def forward(self, hidden, top_k_index, *rest, **kwargs):
             tensors = [hidden, top_k_index, *(t for t in rest if isinstance(t, torch.Tensor))]
             if _traced(tensors):
-                out = iter(torch.ops.weightstream.expert_gather(tensors, self._ws_cache_id,
-                                                                self._ws_cache_layer))
-                hidden, top_k_index = next(out), next(out)
-                rest = tuple(next(out) if isinstance(t, torch.Tensor) else t for t in rest)
+                hidden, top_k_index = torch.ops.weightstream.expert_gather(
+                    [hidden, top_k_index], self._ws_cache_id, self._ws_cache_layer)
             else:
                 _caches(self._ws_cache_id).before_experts(self._ws_cache_layer, tensors)
             return original(self, hidden, top_k_index, *rest, **kwargs)
@@ -526,7 +526,7 @@ def _caches(cache_id: int) -> ExpertCaches:
 @torch.library.custom_op("weightstream::expert_gather", mutates_args=())
 def expert_gather(tensors: list[torch.Tensor], cache_id: int, layer: int) -> list[torch.Tensor]:
     """Before cached layer `layer`'s experts compute: update its table for the routing in tensors[1]
-    and fill the work buffers; returns a copy of each of the experts' input tensors."""
+    and fill the work buffers; returns a copy of each tensor (the experts' hidden states and routing)."""
     _caches(cache_id).gather(layer, tensors[1])
     return [t.clone() for t in tensors]
 
