@@ -46,6 +46,7 @@ rows, at about 0.45 of it on an H100). The synchronization rules out CUDA graphs
 from __future__ import annotations
 
 import itertools
+import threading
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -296,6 +297,9 @@ class ExpertCaches:
         self.watch_eager = device.type == "cuda" and not self.copies
         self.cache_id = next(_IDS)
         _CACHES[self.cache_id] = self
+        # held from a layer's gather to the end of its experts' forward (eagerly): threads calling the
+        # model at once would otherwise overwrite the work buffers another thread's experts are reading
+        self.lock = threading.Lock()
         for i, c in enumerate(self.caches):  # each experts module gathers before it computes
             c.module._ws_cache_id, c.module._ws_cache_layer = self.cache_id, i
             c.module.__class__ = _gathered_class(type(c.module))
@@ -428,9 +432,11 @@ def _gathered_class(base: type) -> type:
             if _traced(tensors):
                 hidden, top_k_index = torch.ops.weightstream.expert_gather(
                     [hidden, top_k_index], self._ws_cache_id, self._ws_cache_layer)
-            else:
-                _caches(self._ws_cache_id).before_experts(self._ws_cache_layer, tensors)
-            return original(self, hidden, top_k_index, *rest, **kwargs)
+                return original(self, hidden, top_k_index, *rest, **kwargs)
+            caches = _caches(self._ws_cache_id)
+            with caches.lock:  # one thread's experts at a time: every layer's gather writes the work buffers
+                caches.before_experts(self._ws_cache_layer, tensors)
+                return original(self, hidden, top_k_index, *rest, **kwargs)
 
         _GATHERED_CLASSES[base] = type(f"Gathered{base.__name__}", (base,), {"forward": forward})
     return _GATHERED_CLASSES[base]
