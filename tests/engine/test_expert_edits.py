@@ -108,3 +108,28 @@ def test_an_edit_whose_blocks_outgrow_the_placement_says_it_places_the_model_ane
     assert handle.placement.gpu_bytes <= placement.gpu_bytes
     assert same(call(model, inputs), call(ref, inputs))
     handle.restore()
+
+
+@pytest.mark.parametrize("how", ["rebind", "data"])
+@pytest.mark.parametrize("kind", ["coded copies", "raw copies", "cache"])
+def test_an_expert_weight_given_new_memory_between_forwards_is_the_models_from_then_on(kind, how):
+    """An expert weight rebound to a new parameter, or given new memory through `.data =` (the object
+    kept), between forwards, as on the resident model: later forwards, `state_dict()` and the restored
+    model all hold the new weight (restore() put the `.data` one back on its old host bytes)."""
+    model, inputs = bf16_model("mixtral")
+    placement = forced(model, kind)
+    ref = copy.deepcopy(model)
+    handle = ws.offload(model, gpu_memory=placement.gpu_bytes + HEADROOM, device="cpu", placement=placement)
+    call(model, inputs)
+    for m in (model, ref):
+        experts = m.model.layers[2].mlp.experts
+        new = torch.randn(experts.gate_up_proj.shape, generator=torch.Generator().manual_seed(1)).bfloat16()
+        if how == "rebind":
+            experts.gate_up_proj = torch.nn.Parameter(new, requires_grad=False)
+        else:
+            experts.gate_up_proj.data = new
+    for seed in range(2):
+        batch = inputs_like(inputs, seed)
+        assert same(call(model, batch), call(ref, batch)), seed
+    restores_true_state(handle, model, ref, inputs)
+    assert all(torch.equal(v, ref.state_dict()[k]) for k, v in model.state_dict().items())

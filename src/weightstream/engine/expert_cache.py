@@ -260,8 +260,8 @@ class ExpertCaches:
         self.caches: list[ExpertCache] = []
         self.work: dict[tuple, list[torch.Tensor]] = {}  # (shapes, dtypes of a layer) -> work buffers
         self._flat: dict[tuple, torch.Tensor] = {}  # the same -> the one buffer holding them
-        # (entry, its tensor viewing the work buffer, a view of its host bytes)
-        self._host_views: list[tuple[Entry, torch.Tensor, torch.Tensor]] = []
+        # (entry, its tensor viewing the work buffer, that buffer's address, a view of its host bytes)
+        self._host_views: list[tuple[Entry, torch.Tensor, int, torch.Tensor]] = []
         for layer, (module, tensors) in enumerate(layers):
             experts = tensors[0][0].shape[0]
             signature = tuple((e.shape, e.dtype) for e, _, _ in tensors)
@@ -280,7 +280,8 @@ class ExpertCaches:
                 cached.append(CachedTensor(entry, source.view(experts, row), pool, work.view(experts, row)))
                 _set_tensor(entry, entry.view_of(work))
                 if layer not in coded:  # coded bytes are no view of the weights: restore() decodes them
-                    self._host_views.append((entry, entry.tensor, entry.view_of(host)))
+                    installed = entry.tensor
+                    self._host_views.append((entry, installed, installed.data_ptr(), entry.view_of(host)))
             if layer in coded:
                 host_region, records = coded[layer]
                 self.caches.append(coded_experts.CodedCopy(module, cached, experts, host_region,
@@ -405,8 +406,10 @@ class ExpertCaches:
             if type(module) in _GATHERED_CLASSES.values():
                 module.__class__ = type(module).__mro__[1]
                 del module._ws_cache_id, module._ws_cache_layer
-        for entry, tensor, host_view in self._host_views:
-            if entry.tensor is tensor:  # still the tensor installed (not one the model bound since)
+        for entry, tensor, address, host_view in self._host_views:
+            # still the tensor installed, on its work buffer (the model bound no other, nor gave it other
+            # memory through `.data =`, since: those are the model's weights now)
+            if entry.tensor is tensor and tensor.data_ptr() == address:
                 _set_tensor(entry, host_view)
         _CACHES.pop(self.cache_id, None)
 
