@@ -402,6 +402,8 @@ def finish(
     handle = OffloadHandle(prep, engine)
     handle.expert_caches = caches
     engine.guards = guards.ModelGuards(engine, prep.model)  # gradients off, eval mode, true state dicts
+    if caches:
+        caches.watch_host(arena.buffer, engine.guards)
     _install_schedule(engine, prep.block_modules, handle._streamed_modules)
     for module in prep.model.modules():
         module._apply = types.MethodType(_blocked_apply, module)

@@ -133,3 +133,45 @@ def test_an_expert_weight_given_new_memory_between_forwards_is_the_models_from_t
         assert same(call(model, batch), call(ref, batch)), seed
     restores_true_state(handle, model, ref, inputs)
     assert all(torch.equal(v, ref.state_dict()[k]) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("via", ["parameters", "state_dict"])
+@pytest.mark.parametrize("kind", ["cache", "raw copies"])
+def test_a_write_through_the_true_weights_given_reaches_forwards_past_a_filled_cache(kind, via):
+    """Raw routed experts' true weights (from parameters() or state_dict()) are views of their host
+    bytes, so a write to them is the model's, as resident: the cache's slots, filled before it, are
+    emptied and filled again (they served the old bytes), and copies read the new ones."""
+    model, inputs = bf16_model("mixtral")
+    placement = forced(model, kind)
+    ref = copy.deepcopy(model)
+    handle = ws.offload(model, gpu_memory=placement.gpu_bytes + HEADROOM, device="cpu", placement=placement)
+    for seed in range(3):
+        call(model, inputs_like(inputs, seed))  # the cache holds its experts
+    name = "model.layers.2.mlp.experts.gate_up_proj"
+    with torch.no_grad():
+        for m in (model, ref):
+            (dict(m.named_parameters()) if via == "parameters" else m.state_dict())[name].mul_(2)
+    for seed in range(3):
+        batch = inputs_like(inputs, seed)
+        assert same(call(model, batch), call(ref, batch)), seed
+    restores_true_state(handle, model, ref, inputs)
+
+
+def test_a_write_to_a_coded_experts_true_weight_copy_is_refused_without_streamed_blocks():
+    """Experts held coded give decoded copies: a write to one never reaches the weights. Refused at the
+    next forward even where no block streams (the check ran at streamed blocks' waits only), and the
+    forwards after it equal the resident model never written."""
+    model, inputs = bf16_model("mixtral")
+    placement = forced(model, "coded copies")
+    assert not placement.streamed
+    ref = copy.deepcopy(model)
+    handle = ws.offload(model, gpu_memory=placement.gpu_bytes + HEADROOM, device="cpu", placement=placement)
+    weight = dict(model.named_parameters())["model.layers.2.mlp.experts.gate_up_proj"]
+    with torch.no_grad():
+        weight.mul_(2)
+    with pytest.raises(ws.OffloadStateError, match="gate_up_proj was written in place through the tensor"):
+        call(model, inputs)
+    for seed in range(2):
+        batch = inputs_like(inputs, seed)
+        assert same(call(model, batch), call(ref, batch)), seed
+    restores_true_state(handle, model, ref, inputs)

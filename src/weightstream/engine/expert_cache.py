@@ -296,6 +296,9 @@ class ExpertCaches:
         self.eager_calls = 0  # forwards run eagerly on a GPU (counted at the first cached layer)
         # off once a capture is seen or the warning is given; copies run eagerly by design
         self.watch_eager = device.type == "cuda" and not self.copies
+        self.arena: torch.Tensor | None = None  # the host arena and the model's guards (`watch_host`)
+        self.guards = None
+        self.arena_version = 0
         self.cache_id = next(_IDS)
         _CACHES[self.cache_id] = self
         # held from a layer's gather to the end of its experts' forward (eagerly): threads calling the
@@ -339,11 +342,39 @@ class ExpertCaches:
             self.note_eager_call(torch.cuda.is_current_stream_capturing())
         self.gather(i, tensors[1])
 
+    def watch_host(self, arena: torch.Tensor, guards) -> None:
+        """Watch the host `arena` (its bytes) and the tensors `guards` (`ModelGuards`) handed out, from
+        the first layer's gather of every forward (`_outside_writes`)."""
+        self.arena, self.guards, self.arena_version = arena, guards, arena._version
+
+    def _outside_writes(self) -> None:
+        """Writes since the last forward through what parameters() or state_dict() gave: to the host
+        arena itself (raw experts' true bytes), which the caches' slots copied before, so every slot is
+        emptied and filled again from host memory; or to a copy (experts held coded), which the weights
+        never see: refused, once. Checked here as well as at streamed blocks' waits, since a model whose
+        blocks are all resident or read in place has none."""
+        if self.arena is not None and self.arena._version != self.arena_version:
+            self.arena_version = self.arena._version
+            for c in self.caches:
+                if isinstance(c, ExpertCache):
+                    c.table.table.fill_(-1)
+                    c.table.owner.fill_(-1)
+        lost = self.guards.lost_writes() if self.guards is not None else []
+        if lost:
+            raise OffloadStateError(
+                f"{lost[0]} was written in place through the tensor parameters() or state_dict() gave for "
+                "it while offloaded; it is held compressed (or read from disk), so that tensor was a copy "
+                "and the write never reached the weights (they are as they were). To edit weights, do it "
+                "inside `with handle.edit():` or before offload()")
+
     def gather(self, i: int, top_k_index: torch.Tensor) -> None:
         """Layer `i`'s gather, after checking that no expert weight of the layer was written in place
         since the last one: it views a work buffer that the gather overwrites, so the write never
         reached the weights; refused, once. (A weight's version counter is its own: gathers, which write
-        the buffers through other tensors, do not move it.)"""
+        the buffers through other tensors, do not move it.) The first layer's checks writes to the host
+        first (`_outside_writes`)."""
+        if i == 0:
+            self._outside_writes()
         cache = self.caches[i]
         for t in cache.tensors:
             tensor = t.entry.tensor
