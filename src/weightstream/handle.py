@@ -58,7 +58,8 @@ class OffloadStats:
 
     `expert_bytes_per_token`: for a mixture of experts whose routed experts are off the GPU, the expert
     bytes read over the link per token (zero-copy experts the tokens reached, streamed expert groups
-    whole) since `handle.count_experts()` put the routers' counters on; None without them. Blocks
+    whole; experts held coded for expert copies at their blobs' mean size) since
+    `handle.count_experts()` put the routers' counters on; None without them. Blocks
     with a GPU expert cache count the rows their caches read from host memory instead, and
     `expert_hit_rate` is the share of the experts reached that were in the cache.
     """
@@ -215,6 +216,11 @@ class OffloadHandle:
                 for entry, _ in group:
                     if experts and len(entry.shape) == 3 and entry.shape[0] == experts:
                         into[entry.owner] += entry.nbytes
+        if self.expert_caches is not None:  # experts held coded cross the link as their blobs
+            for c in self.expert_caches.caches:
+                if isinstance(c, coded_experts.CodedCopy):
+                    i = next(i for i, m in enumerate(self._blocks) if any(s is c.module for s in m.modules()))
+                    in_place[i] += c.wire_bytes - c.row_bytes * c.experts
         # blocks behind a cache: their caches count what they read (copied experts are counted here)
         caches = self.expert_caches if self.expert_caches and not self.expert_caches.copies else None
         cached = set(caches.blocks) if caches else set()

@@ -128,19 +128,30 @@ def test_compiled_fullgraph_runs_the_copies_as_an_opaque_op(coded):
     handle.restore()
 
 
-def test_expert_bytes_per_token_count_the_copied_experts():
-    """The routers' counters count copied experts as experts read in place: the experts reached."""
-    model, inputs = ZOO["qwen3_moe"]()
-    model = model.eval().requires_grad_(False)
-    handle, cost = copies_offload(model)
+@pytest.mark.parametrize("coded", [False, True], ids=["raw", "coded"])
+def test_expert_bytes_per_token_count_the_copied_experts(coded):
+    """The routers' counters count copied experts as experts read in place: the experts reached, raw or
+    (held coded) at their blobs' mean size."""
+    if coded:
+        model, inputs = bf16_model("qwen3_moe")
+        handle, cost = coded_offload(model)
+    else:
+        model, inputs = ZOO["qwen3_moe"]()
+        handle, cost = copies_offload(model.eval().requires_grad_(False))
     handle.count_experts()
     for seed in range(2):
         call(model, inputs_like(inputs, seed))
-    per_expert = cost.routed_bytes[handle.placement.expert_copies[0]] // cost.experts
-    reached = handle._experts.counts[:, 0].sum().item()
+    reached = handle._experts.counts[:, 0]  # per copied block, in block order
+    copies = handle.expert_caches.caches
+    assert len(copies) == len(reached) and reached.sum() > 0
+    per_expert = [(c.wire_bytes if coded else cost.routed_bytes[b]) / cost.experts
+                  for c, b in zip(copies, handle.placement.expert_copies, strict=True)]
     tokens = inputs["input_ids"].numel() * 2
-    assert reached > 0
-    assert handle.stats.expert_bytes_per_token == pytest.approx(reached * per_expert / tokens)
+    want = sum(n * size for n, size in zip(reached.tolist(), per_expert, strict=True)) / tokens
+    assert handle.stats.expert_bytes_per_token == pytest.approx(want)
+    if coded:  # below the raw bytes of the experts reached
+        raw = reached.sum().item() * cost.routed_bytes[handle.placement.expert_copies[0]] / cost.experts
+        assert want < 0.95 * raw / tokens
     handle.restore()
 
 
