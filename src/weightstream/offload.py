@@ -9,9 +9,8 @@ import torch
 from torch import nn
 
 from .config import OffloadConfig, config_of
-from .errors import ArgumentError
 from .handle import OffloadHandle, OffloadStats, handle_of, offload_module
-from .pipeline import PipelineHandle, is_pipeline, offload_pipeline
+from .pipeline import PipelineHandle, is_pipeline, offload_pipeline, refuse_per_model_options
 from .placement.plan import Placement
 from .placement.probe import MachineProfile
 
@@ -116,13 +115,6 @@ def offload(
                        keep_resident=keep_resident, expert_cache=expert_cache, routing_skew=routing_skew,
                        expert_copies=expert_copies)
     if is_pipeline(model):  # a diffusers pipeline: one budget over its components (pipeline.py)
-        per_model = (("blocks", config.blocks, None), ("tokens", config.tokens, 1),
-                     ("placement", config.placement, None), ("keep_resident", config.keep_resident, ()))
-        given = [name for name, value, default in per_model if value != default]
-        if given:
-            raise ArgumentError(
-                f"{', '.join(given)}: offload(pipeline) plans every component itself; call "
-                "weightstream.pipeline.offload_pipeline(pipe, ..., tokens={name: n}, calls={name: n}) for "
-                "per-component tokens, or offload one component (pipe.transformer) with these arguments")
+        refuse_per_model_options(config, "offload(pipeline) plans every component itself")
         return offload_pipeline(model, config)
     return offload_module(model, config)

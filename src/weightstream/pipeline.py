@@ -306,20 +306,21 @@ def component_costs(modules: dict[str, nn.Module], device, allow_meta: bool = Fa
     return costs
 
 
-def refuse_per_model_options(config: OffloadConfig) -> None:
+def refuse_per_model_options(config: OffloadConfig, why: str = "a pipeline is planned per component") -> None:
     """ArgumentError for what `config` holds that a pipeline's split cannot apply: blocks, tokens,
     placement and keep_resident name one model's (`offload_pipeline(tokens=..., calls=...)` takes
     tokens per component), and the split plans no expert copies and no GPU expert cache, so
-    `expert_copies=True` and a `routing_skew` would be dropped."""
+    `expert_copies=True` and a `routing_skew` would be dropped. `why`: the message's reason, in the
+    caller's words."""
     given = [name for name, value, unset in (
         ("tokens", config.tokens, 1), ("blocks", config.blocks, None), ("placement", config.placement, None),
         ("keep_resident", config.keep_resident, ()), ("expert_copies", config.expert_copies, False),
         ("routing_skew", config.routing_skew, None)) if value != unset]
     if given:
         raise ArgumentError(
-            f"{', '.join(given)}: a pipeline is planned per component (tokens per component: "
-            "offload_pipeline(pipe, ..., tokens={name: n}), without expert copies or a GPU expert cache); "
-            "drop them, or offload the one component that needs them (pipe.transformer) on its own")
+            f"{', '.join(given)}: {why}; tokens per component go to offload_pipeline(pipe, ..., "
+            "tokens={name: n}), and it plans no expert copies or GPU expert cache: drop them, or offload "
+            "the one component that needs them (pipe.transformer) on its own")
 
 
 def offload_pipeline(
